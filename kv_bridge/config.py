@@ -54,6 +54,7 @@ class GatewayConfig(BaseModel):
 
 
 class PrefillConfig(BaseModel):
+    dtype: str = Field(default="auto", description="vLLM model dtype; float32 makes bridged KV match MLX tightly")
     kv_cache_space_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     enforce_eager: bool = True

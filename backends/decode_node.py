@@ -1,0 +1,204 @@
+"""Decode node: an aiohttp service around mlx-lm plus the KV receiver.
+
+POST /v1/generate waits for the prompt's KV from a prefill node (bounded), builds mlx-lm caches from it, runs
+the remaining prompt token(s), samples and streams tokens as NDJSON. No KV in time: it prefills locally.
+One MLX thread owns the model; the event loop never blocks on compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from backends.common import NodeError, bad_request, json_body, node_app, run_app
+from backends.sampling import GenParams, StopMatcher
+from kv_bridge.config import NodeConfig, Settings, resolve_model_path
+from kv_bridge.fingerprint import kv_spec
+from kv_bridge.receiver import KVReceiver, TransferError
+
+log = logging.getLogger(__name__)
+
+
+class MLXModel:
+    """The model, its tokenizer and the one thread that may touch them."""
+
+    def __init__(self, model_id: str, path: str):
+        self.model_id, self.path = model_id, path
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
+        self.model = self.tokenizer = None
+        self.spec = kv_spec(path)
+
+    def load(self) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(self.path)
+        self.dtype = tree_flatten(self.model.parameters())[0][1].dtype
+        mx.eval(self.model.parameters())
+
+    def generate(self, ids: list[int], kv, gen: GenParams, emit, cancel: threading.Event) -> None:
+        """Runs on the MLX thread: emit(event) for each sampled token, then emit(None)."""
+        import mlx.core as mx
+        from mlx_lm import stream_generate
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.sample_utils import make_sampler
+
+        from kv_bridge.mlx_cache import build_prompt_cache
+
+        try:
+            start = 0
+            if kv is not None:
+                cache = build_prompt_cache(self.model, kv.keys, kv.values, self.dtype)
+                start = kv.keys.shape[2]
+            else:
+                cache = make_prompt_cache(self.model)
+            if gen.seed is not None:
+                mx.random.seed(gen.seed)
+            sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p)
+            for r in stream_generate(self.model, self.tokenizer, mx.array(ids[start:]), max_tokens=gen.max_tokens,
+                                     sampler=sampler, prompt_cache=cache):
+                emit(("token", r.token, r.text, r.finish_reason))
+                if cancel.is_set():
+                    break
+        except Exception as e:  # reported to the caller as an error line, never a dead stream
+            log.exception("generation failed")
+            emit(("error", f"{type(e).__name__}: {e}"))
+        finally:
+            emit(None)
+
+
+class DecodeService:
+    def __init__(self, settings: Settings, node: NodeConfig):
+        self.settings, self.node = settings, node
+        self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m))) for m in settings.models if node.name in m.decode}
+        if not self.models:
+            raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
+        self.receiver = KVReceiver(settings.kv)
+        self.running = 0
+
+    async def start(self, app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        for m in self.models.values():
+            await loop.run_in_executor(m.executor, m.load)
+        await self.receiver.start(self.node.host, self.node.kv_port)
+        log.info("decode node %s: models %s, KV on %s:%d", self.node.name, list(self.models), self.node.host,
+                 self.node.kv_port)
+
+    async def stop(self, app: web.Application) -> None:
+        await self.receiver.stop()
+        for m in self.models.values():
+            m.executor.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> dict:
+        return {"role": "decode", "models": list(self.models), "running": self.running, "kv_port": self.node.kv_port,
+                "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()}}
+
+    def _parse(self, body: dict) -> tuple[MLXModel, list[int], int, GenParams]:
+        m = self.models.get(body.get("model"))
+        if m is None:
+            raise NodeError(404, f"model {body.get('model')!r} is not served by decode node {self.node.name}",
+                            "model_not_found")
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise bad_request("token_ids must be a non-empty list of non-negative integers")
+        kv = body.get("kv")
+        kv_tokens = 0
+        if kv is not None:
+            kv_tokens = kv.get("tokens") if isinstance(kv, dict) else None
+            if not isinstance(kv_tokens, int) or not 1 <= kv_tokens < len(ids):
+                raise bad_request("kv.tokens must be an integer in [1, len(token_ids) - 1]: decode runs the last token")
+        return m, ids, kv_tokens, GenParams.parse(body)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await json_body(request)
+        m, ids, kv_tokens, gen = self._parse(body)
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        if rid in self.receiver.transfers:
+            raise NodeError(409, f"request_id {rid!r} is already in flight on this node", "duplicate_request")
+        transfer = self.receiver.expect(rid, kv_tokens, m.spec) if kv_tokens else None
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        self.running += 1
+        try:
+            await resp.prepare(request)
+            await _line(resp, {"type": "accepted", "request_id": rid})
+            t0 = time.perf_counter()
+            kv, done = await self._await_kv(transfer, kv_tokens)
+            await self._stream(resp, m, ids, kv, gen, done, t0)
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("request %s: client went away", rid)
+            raise
+        finally:
+            self.running -= 1
+            if transfer is not None:
+                self.receiver.forget(rid)
+        return resp
+
+    async def _await_kv(self, transfer, kv_tokens: int):
+        done = {"kv_tokens": 0, "fallback_reason": None, "kv_transfer_s": 0.0, "kv_bytes": 0}
+        if transfer is None:
+            return None, done
+        try:
+            kv = await transfer.result(self.settings.decode.kv_timeout_s)
+        except TransferError as e:
+            log.warning("transfer %s: %s; prefilling locally", transfer.transfer_id, e)
+            done["fallback_reason"] = e.reason
+            return None, done
+        done.update(kv_tokens=kv_tokens, kv_transfer_s=kv.seconds, kv_bytes=kv.nbytes)
+        return kv, done
+
+    async def _stream(self, resp, m: MLXModel, ids, kv, gen: GenParams, done: dict, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        emit = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)  # noqa: E731
+        fut = loop.run_in_executor(m.executor, m.generate, ids, kv, gen, emit, cancel)
+        stops, n, finish, ttft = StopMatcher(gen.stop), 0, "length", None
+        try:
+            while (ev := await q.get()) is not None:
+                if ev[0] == "error":
+                    await _line(resp, {"type": "error", "message": ev[1]})
+                    return
+                _, token, text, reason = ev
+                n += 1
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                text, hit = stops.feed(text)
+                if reason and not hit:
+                    text += stops.flush()
+                finish = "stop" if hit else (reason or finish)
+                await _line(resp, {"type": "token", "token_id": token, "text": text})
+                if hit:
+                    cancel.set()
+                    break
+        finally:
+            cancel.set()  # a client that left stops the MLX loop at its next token
+        await fut
+        await _line(resp, {"type": "done", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
+                           "computed_tokens": len(ids) - done["kv_tokens"], "ttft_s": ttft or 0.0, **done})
+
+
+async def _line(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(json.dumps(obj).encode() + b"\n")
+
+
+def serve(settings: Settings, node: NodeConfig) -> None:
+    """Blocking: run the decode node described by `node` until SIGINT/SIGTERM."""
+    svc = DecodeService(settings, node)
+    app = node_app(svc.health, svc.start, svc.stop)
+    app.router.add_post("/v1/generate", svc.generate)
+
+    async def abort(request: web.Request) -> web.Response:
+        t = svc.receiver.transfers.get(request.match_info["rid"])
+        if t is not None:
+            t.fail("kv_aborted", "prefill side reported failure")
+        return web.json_response({"aborted": t is not None})
+
+    app.router.add_post("/v1/transfers/{rid}/abort", abort)
+    run_app(app, node)

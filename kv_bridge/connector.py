@@ -1,0 +1,196 @@
+"""vLLM KV-connector plugin (producer): streams each prefilled layer's KV to the decode node that asked for it.
+
+Loaded by vLLM through `kv_connector_module_path="kv_bridge.connector"`, `kv_connector="DisaggConnector"`.
+A request opts in with `SamplingParams(extra_args={"kv_transfer_params": {"transfer_id", "host", "port"}})`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kv_bridge import wire
+from kv_bridge.fingerprint import kv_spec
+from kv_bridge.layouts import layout_for
+from kv_bridge.sender import KVSender
+
+# under vLLM's logger namespace, so our lines reach vLLM's handlers inside its worker processes
+log = logging.getLogger("vllm.disagg.connector")
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+# bf16 has no numpy dtype: it is widened to float32 for the wire (fp8 and bf16 wire formats: bridge issue)
+_WIRE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "float32"}
+
+
+@dataclass
+class SendSpec:
+    """One request's token range [start, end) computed in this step, to go to (host, port)."""
+
+    req_id: str
+    transfer_id: str
+    host: str
+    port: int
+    block_ids: list[int]
+    start: int
+    end: int
+    total: int
+    first: bool
+
+
+@dataclass
+class DisaggConnectorMetadata(KVConnectorMetadata):
+    sends: list[SendSpec] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # transfer ids of requests that ended before their KV did
+
+
+@dataclass
+class _ReqState:
+    params: dict
+    block_ids: list[int]
+    total: int
+
+
+def transfer_params(extra_args: dict | None) -> dict | None:
+    p = (extra_args or {}).get("kv_transfer_params")
+    if isinstance(p, dict) and {"transfer_id", "host", "port"} <= p.keys():
+        return p
+    return None
+
+
+class DisaggConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._queue_frames = int(extra.get("queue_frames", 256))
+        self._connect_timeout = float(extra.get("connect_timeout_s", 5.0))
+        self._reqs: dict[str, _ReqState] = {}  # scheduler side
+        self._aborts: list[str] = []
+        self._sender: KVSender | None = None  # worker side, created with the caches
+        self._layout = None
+        self._layer_index: dict[str, int] = {}
+        self._open_ids: set[str] = set()
+        self._spec: dict = {}
+        self._wire_dtype = "float32"
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cfg = self._vllm_config
+        first_name, first = next(iter(kv_caches.items()))
+        backend = cfg.compilation_config.static_forward_context[first_name].attn_backend.get_name()
+        mc = cfg.model_config
+        self._layout = layout_for(backend, cfg.cache_config.block_size,
+                                  mc.get_num_kv_heads(cfg.parallel_config), mc.get_head_size())
+        if first.dtype not in _WIRE_DTYPES:
+            raise ValueError(f"KV cache dtype {first.dtype} is not supported by the bridge yet; "
+                             f"supported: {sorted(_WIRE_DTYPES.values())}")
+        self._wire_dtype = _WIRE_DTYPES[first.dtype]
+        for name in kv_caches:
+            m = _LAYER_RE.search(name)
+            if m is None:
+                raise ValueError(f"cannot tell the layer index of attention layer {name!r}")
+            self._layer_index[name] = int(m.group(1))
+        self._spec = kv_spec(mc.model)
+        self._sender = KVSender(self._queue_frames, self._connect_timeout)
+        log.info("disagg connector: backend %s, %d layers, wire dtype %s", backend, len(kv_caches), self._wire_dtype)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return  # producer: nothing to load (vLLM may call this after the forward, so streams open lazily)
+
+    def _open(self, s: SendSpec) -> None:
+        hdr = wire.StreamHeader(transfer_id=s.transfer_id, fingerprint=self._spec["fingerprint"],
+                                num_layers=self._spec["num_layers"], num_kv_heads=self._spec["num_kv_heads"],
+                                head_dim=self._spec["head_dim"], dtype=self._wire_dtype, start=0, num_tokens=s.total)
+        self._sender.open(hdr, s.host, s.port)
+        self._open_ids.add(s.transfer_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not meta.sends:
+            return
+        layer = self._layer_index[layer_name]
+        for s in meta.sends:
+            if s.first and s.transfer_id not in self._open_ids:
+                self._open(s)
+            blocks, off = self._layout.block_span(s.block_ids, s.start, s.end)
+            sub = kv_layer[torch.from_numpy(blocks)]  # copy only this request's blocks, in vLLM's layout
+            if sub.dtype == torch.bfloat16:
+                sub = sub.float()
+            k, v = self._layout.gather(sub.numpy(), list(range(len(blocks))), off, off + s.end - s.start)
+            self._sender.send_layer(s.transfer_id, layer, s.start, k, v)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        for s in meta.sends:
+            if s.end >= s.total and s.transfer_id in self._open_ids:
+                self._open_ids.discard(s.transfer_id)
+                self._sender.close(s.transfer_id)
+        for tid in meta.aborts:
+            if tid in self._open_ids:
+                self._open_ids.discard(tid)
+                self._sender.close(tid, error="prefill request ended before its KV was complete")
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown()
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = DisaggConnectorMetadata(aborts=self._aborts)
+        self._aborts = []
+        so = scheduler_output
+        for nr in so.scheduled_new_reqs:
+            params = transfer_params(nr.sampling_params.extra_args if nr.sampling_params else None)
+            if params is None:
+                continue
+            st = _ReqState(params, list(nr.block_ids[0]), len(nr.prompt_token_ids or ()))
+            self._reqs[nr.req_id] = st
+            # start at 0 even on a prefix-cache hit: the decode node needs the cached prefix too
+            end = min(nr.num_computed_tokens + so.num_scheduled_tokens[nr.req_id], st.total)
+            meta.sends.append(self._spec_for(nr.req_id, st, 0, end, first=True))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_blocks is not None:
+                st.block_ids = list(new_blocks[0])
+            elif new_blocks is not None:
+                st.block_ids.extend(new_blocks[0])
+            start = cached.num_computed_tokens[i]
+            if start < st.total:  # later chunks of a chunked prefill; decode steps send nothing
+                end = min(start + so.num_scheduled_tokens[rid], st.total)
+                meta.sends.append(self._spec_for(rid, st, start, end, first=False))
+        return meta
+
+    def _spec_for(self, rid: str, st: _ReqState, start: int, end: int, first: bool) -> SendSpec:
+        p = st.params
+        return SendSpec(rid, str(p["transfer_id"]), str(p["host"]), int(p["port"]), list(st.block_ids),
+                        start, end, st.total, first)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and request.num_computed_tokens < st.total:
+            self._aborts.append(str(st.params["transfer_id"]))
+        return False, None  # KV was copied out during the forward; the blocks can be freed now
