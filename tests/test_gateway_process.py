@@ -1,0 +1,113 @@
+"""The gateway as a process: no torch/vllm/mlx on import, `python -m gateway` serves config.toml, stops cleanly."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from fakes import MODEL_DIR, MODEL_ID, FakeDecodeNode, FakePrefillNode, chat_body, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = ("torch", "vllm", "mlx", "mlx_lm", "transformers", "backends")
+
+def test_import_leaves_heavy_modules_out():
+    code = (
+        "import sys, json, gateway, gateway.app, gateway.__main__\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+def test_gateway_imports_only_kv_bridge_config():
+    for path in (ROOT / "gateway").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in FORBIDDEN, f"{path.name} imports {name}"
+                if top == "kv_bridge":
+                    assert name == "kv_bridge.config", f"{path.name} imports {name}"
+
+def test_bad_config_exits_with_message(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
+    out = subprocess.run([sys.executable, "-m", "gateway", "--config", str(tmp_path / "missing.toml")],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2
+    assert "missing.toml" in out.stderr and "not found" in out.stderr
+
+def _write_config(path: Path, port: int, decode: FakeDecodeNode, prefill: FakePrefillNode) -> None:
+    path.write_text(f"""
+[gateway]
+host = "127.0.0.1"
+port = {port}
+health_interval_s = 0.2
+
+[[nodes]]
+name = "prefill-0"
+role = "prefill"
+port = {prefill.port}
+
+[[nodes]]
+name = "decode-0"
+role = "decode"
+port = {decode.port}
+kv_port = {decode.kv_port}
+
+[[models]]
+id = "{MODEL_ID}"
+path = "{MODEL_DIR}"
+prefill = ["prefill-0"]
+decode = ["decode-0"]
+""")
+
+async def test_serve_process(tmp_path):
+    decode = await FakeDecodeNode("decode-0").start()
+    prefill = await FakePrefillNode("prefill-0", [decode]).start()
+    port = free_port()
+    cfg = tmp_path / "config.toml"
+    _write_config(cfg, port, decode, prefill)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--config", str(cfg), cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            await _wait_healthy(http, f"http://127.0.0.1:{port}/health")
+            async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body()) as r:
+                assert r.status == 200 and r.headers["x-disagg-path"] == "disaggregated"
+        proc.send_signal(signal.SIGINT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, out.decode()
+        assert f"127.0.0.1:{port}" in out.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await prefill.stop()
+        await decode.stop()
+
+async def _wait_healthy(http: aiohttp.ClientSession, url: str, timeout: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        try:
+            async with http.get(url) as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{url} never answered 200")
