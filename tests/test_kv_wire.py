@@ -1,0 +1,212 @@
+"""KV bridge unit tests over real loopback sockets: sender -> receiver, integrity, bounds, fuzzed frames."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from kv_bridge import wire
+from kv_bridge.config import KVConfig
+from kv_bridge.layouts import layout_for
+from kv_bridge.receiver import KVReceiver, TransferError
+from kv_bridge.sender import KVSender
+from stack import free_port
+
+L, H, D = 4, 3, 64
+SPEC = {"fingerprint": "abc123", "num_layers": L, "num_kv_heads": H, "head_dim": D}
+
+
+def header(tid: str, n: int, **over) -> wire.StreamHeader:
+    fields = dict(transfer_id=tid, fingerprint="abc123", num_layers=L, num_kv_heads=H, head_dim=D,
+                  dtype="float32", start=0, num_tokens=n)
+    fields.update(over)
+    return wire.StreamHeader(**fields)
+
+
+def kv_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((L, H, n, D), np.float32), rng.standard_normal((L, H, n, D), np.float32)
+
+
+async def run_transfer(send, n: int = 10, cfg: KVConfig | None = None, spec: dict = SPEC):
+    """Start a receiver, expect one transfer, let `send(port, tid)` (run in a thread) deliver it."""
+    rx = KVReceiver(cfg or KVConfig())
+    port = free_port()
+    await rx.start("127.0.0.1", port)
+    try:
+        t = rx.expect("t1", n, spec)
+        await asyncio.to_thread(send, port, "t1")
+        return await t.result(10)
+    finally:
+        await rx.stop()
+
+
+def send_with_sender(keys, values, chunks=(0,), **hdr_over):
+    def send(port, tid):
+        s = KVSender(queue_frames=4)
+        n = keys.shape[2]
+        s.open(header(tid, n, **hdr_over), "127.0.0.1", port)
+        bounds = list(chunks) + [n]
+        for a, b in zip(bounds, bounds[1:]):  # chunked prefill: several frames per layer
+            for layer in range(L):
+                s.send_layer(tid, layer, a, np.ascontiguousarray(keys[layer, :, a:b]),
+                             np.ascontiguousarray(values[layer, :, a:b]))
+        s.close(tid)
+        s.flush()
+        s.shutdown()
+    return send
+
+
+def test_sender_to_receiver_roundtrip_in_chunks():
+    k, v = kv_data(300)
+    got = asyncio.run(run_transfer(send_with_sender(k, v, chunks=(0, 128, 256)), n=300))
+    assert np.array_equal(got.keys, k) and np.array_equal(got.values, v)
+    assert got.nbytes == k.nbytes + v.nbytes
+
+
+def test_fingerprint_mismatch_names_both_sides():
+    k, v = kv_data(10)
+    with pytest.raises(TransferError) as e:
+        asyncio.run(run_transfer(send_with_sender(k, v, fingerprint="other"), n=10))
+    assert "abc123" in str(e.value) and "other" in str(e.value)
+
+
+def test_wrong_token_count_refused():
+    k, v = kv_data(10)
+    with pytest.raises(TransferError, match="decode expects"):
+        asyncio.run(run_transfer(send_with_sender(k, v), n=11))
+
+
+def raw_send(frames: list[bytes]):
+    def send(port, tid):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for f in frames:
+                s.sendall(f)
+    return send
+
+
+def hdr_frame(tid="t1", n=10) -> bytes:
+    return wire.json_frame(wire.HEADER, header(tid, n).to_json())
+
+
+def kv_frame(layer, start, k, v) -> bytes:
+    return b"".join(bytes(p) for p in wire.kv_frame_parts(layer, start, k, v))
+
+
+def test_truncated_stream_fails_the_transfer():
+    k, v = kv_data(10)
+    frame = kv_frame(0, 0, k[0], v[0])
+    with pytest.raises(TransferError, match="mid-frame"):
+        asyncio.run(run_transfer(raw_send([hdr_frame(), frame[: len(frame) // 2]])))
+
+
+def test_corrupt_checksum_fails_the_transfer():
+    k, v = kv_data(10)
+    frame = bytearray(kv_frame(0, 0, k[0], v[0]))
+    frame[100] ^= 0xFF
+    with pytest.raises(TransferError, match="checksum"):
+        asyncio.run(run_transfer(raw_send([hdr_frame(), bytes(frame)])))
+
+
+def test_done_before_all_kv_is_refused():
+    k, v = kv_data(10)
+    frames = [hdr_frame(), kv_frame(0, 0, k[0], v[0]), wire.json_frame(wire.DONE, {})]
+    with pytest.raises(TransferError, match="missing"):
+        asyncio.run(run_transfer(raw_send(frames)))
+
+
+def test_huge_declared_length_rejected_before_allocation():
+    huge = struct.pack("<BI", wire.KV, 0xFFFFFFF0)
+    with pytest.raises(TransferError, match="over the bound"):
+        asyncio.run(run_transfer(raw_send([hdr_frame(), huge]), cfg=KVConfig(max_frame_bytes=1 << 20)))
+
+
+def test_fuzzed_frames_never_crash_the_receiver():
+    """Random mutations of a valid stream: every one fails cleanly, and the receiver keeps serving."""
+    rng = random.Random(1234)
+    k, v = kv_data(10)
+    body = [*(kv_frame(i, 0, k[i], v[i]) for i in range(L)), wire.json_frame(wire.DONE, {})]
+
+    async def scenario():
+        rx = KVReceiver(KVConfig(max_frame_bytes=1 << 16))
+        port = free_port()
+        await rx.start("127.0.0.1", port)
+        outcomes = []
+        try:
+            for i in range(60):
+                tid = f"f{i}"
+                t = rx.expect(tid, 10, SPEC)
+                stream = bytearray(b"".join([hdr_frame(tid), *body]))
+                for _ in range(rng.randint(1, 4)):  # flip, truncate or splice random bytes
+                    # half the mutations hit the header and the first frame prefixes, where parsing decides most
+                    pos = rng.randrange(min(len(stream), 256) if rng.random() < 0.5 else len(stream))
+                    op = rng.choice(("flip", "cut", "junk"))
+                    if op == "flip":
+                        stream[pos] ^= 1 << rng.randrange(8)
+                    elif op == "cut":
+                        del stream[pos:]
+                    else:
+                        stream[pos:pos] = rng.randbytes(rng.randint(1, 64))
+                    if not stream:
+                        break
+                await asyncio.to_thread(raw_send([bytes(stream)]), port, tid)
+                try:
+                    await t.result(0.5)  # a header too mangled to name its transfer can only time out
+                    outcomes.append("ok")
+                except TransferError as e:
+                    outcomes.append(e.reason)
+                rx.forget(tid)
+            # still healthy: a clean transfer after the fuzzing goes through
+            t = rx.expect("clean", 10, SPEC)
+            await asyncio.to_thread(send_with_sender(k, v), port, "clean")
+            got = await t.result(5)
+        finally:
+            await rx.stop()
+        return outcomes, got
+
+    outcomes, got = asyncio.run(scenario())
+    assert set(outcomes) <= {"ok", "kv_error", "kv_timeout"}
+    assert outcomes.count("kv_error") >= 10 and outcomes.count("ok") <= 5
+    assert np.array_equal(got.keys, k)
+
+
+def test_parse_kv_rejects_out_of_range_frames():
+    hdr = header("t", 10)
+    k, v = kv_data(10)
+    for layer, start in ((L, 0), (0, 8)):
+        body = memoryview(kv_frame(layer, start, k[0], v[0])[wire.PREFIX.size:-wire.CRC.size])
+        with pytest.raises(wire.WireError):
+            wire.parse_kv(body, hdr)
+
+
+def test_bad_json_header_fields_rejected():
+    for bad in ({}, {**header("t", 1).to_json(), "version": 99}, {**header("t", 1).to_json(), "dtype": "int8"},
+                {**header("t", 1).to_json(), "num_tokens": -1}):
+        with pytest.raises(wire.WireError):
+            wire.StreamHeader.from_json(bad)
+    with pytest.raises(wire.WireError):
+        wire.parse_json(b"\xff\xfe")
+    assert zlib.crc32(b"") == 0 and json.loads(b"{}") == {}
+
+
+@pytest.mark.parametrize("start,end", [(0, 1), (0, 128), (5, 130), (127, 129), (100, 400)])
+def test_cpu_layout_gather_inverts_scatter(start, end):
+    lay = layout_for("CPU_ATTN", block_size=128, num_kv_heads=H, head_dim=D)
+    blocks = [7, 2, 5, 0]
+    paged = np.zeros((8, H, 128, 2 * D), np.float32)
+    k, v = kv_data(512)
+    lay.scatter(paged, blocks, 0, k[0], v[0])
+    gk, gv = lay.gather(paged, blocks, start, end)
+    assert np.array_equal(gk, k[0][:, start:end]) and np.array_equal(gv, v[0][:, start:end])
+
+
+def test_unknown_layout_is_refused_by_name():
+    with pytest.raises(ValueError, match="FLASH_ATTN_9000"):
+        layout_for("FLASH_ATTN_9000", 16, 8, 128)
