@@ -1,0 +1,113 @@
+"""`disagg` command line: prepare models, run one role (prefill, decode, gateway), or `up` for all of them.
+
+Role modules are imported inside their command, so `disagg gateway` works on a box without torch or mlx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from kv_bridge.config import DEFAULT_CONFIG, ConfigError, Settings, load_config, resolve_model_path
+
+EXIT_CONFIG = 2  # same code argparse uses for bad usage: the fix is in the invocation or the file
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_config(args.config)
+        return args.func(settings, args) or 0
+    except ConfigError as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, default=Path(os.environ.get("DISAGG_CONFIG", DEFAULT_CONFIG)),
+                        help="config file (default: $DISAGG_CONFIG or ./config.toml)")
+    p = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM inference: vLLM prefill, MLX decode.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    models = sub.add_parser("models", help="manage model folders").add_subparsers(dest="action", required=True)
+    prep = models.add_parser("prepare", parents=[common], help="build the embedded models named in the config")
+    prep.add_argument("--model", help="only this model id (default: every [[models]] route)")
+    prep.set_defaults(func=_cmd_models_prepare)
+
+    for role, func in (("prefill", _cmd_prefill), ("decode", _cmd_decode)):
+        r = sub.add_parser(role, parents=[common], help=f"run one {role} node")
+        r.add_argument("--node", required=True, help=f"name of a [[nodes]] entry with role = {role!r}")
+        r.set_defaults(func=func)
+
+    gw = sub.add_parser("gateway", parents=[common], help="run the OpenAI-compatible gateway")
+    gw.set_defaults(func=_cmd_gateway)
+    sub.add_parser("up", parents=[common], help="start every role of the config on this machine; "
+                   "Ctrl-C stops them").set_defaults(func=_cmd_up)
+    return p
+
+
+def _role_node(settings: Settings, name: str, role: str):
+    node = settings.node(name)
+    if node.role != role:
+        raise ConfigError(f"node {name!r} has role {node.role!r}; run `disagg {node.role} --node {name}` "
+                          f"or pick a {role} node: {[n.name for n in settings.nodes if n.role == role]}")
+    return node
+
+
+def _cmd_prefill(settings: Settings, args: argparse.Namespace) -> int | None:
+    from backends.prefill_node import serve
+
+    return serve(settings, _role_node(settings, args.node, "prefill"))
+
+
+def _cmd_decode(settings: Settings, args: argparse.Namespace) -> int | None:
+    from backends.decode_node import serve
+
+    return serve(settings, _role_node(settings, args.node, "decode"))
+
+
+def _cmd_gateway(settings: Settings, args: argparse.Namespace) -> int | None:
+    from gateway.app import serve
+
+    return serve(settings)
+
+
+def _cmd_up(settings: Settings, args: argparse.Namespace) -> int:
+    from backends.up import up
+
+    return up(settings, args.config)
+
+
+def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
+    from backends import models
+
+    routes = settings.models
+    if args.model is not None:
+        routes = [r for r in routes if r.id == args.model]
+        if not routes:
+            raise ConfigError(f"--model {args.model!r} is not in [[models]] of {args.config}; "
+                              f"known: {[r.id for r in settings.models]}")
+    failed = 0
+    for route in routes:
+        dest = resolve_model_path(route)
+        if route.id in models.EMBEDDED:
+            models.prepare(dest, route.id)
+        elif (dest / "config.json").is_file():
+            print(f"{route.id}: not embedded; using the folder at {dest}")
+        else:
+            print(f"{route.id}: not embedded and {dest} has no config.json; copy the model's HF folder "
+                  f"(config.json, weights, tokenizer) there, or fix [[models]] path", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

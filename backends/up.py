@@ -1,0 +1,330 @@
+"""`disagg up`: start this machine's roles from the config as child processes, wait until every one answers
+GET /health, print the URL; Ctrl-C or SIGTERM stops everything it started (whole process groups)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kv_bridge.config import ConfigError, Settings, resolve_model_path
+
+READY_TIMEOUT_S = 900.0  # vLLM's first start on a 2-core CPU box compiles and profiles for minutes
+STOP_GRACE_S = 15.0
+POLL_S = 0.5
+NOTE_EVERY_S = 30.0
+STATE_DIR = ".disagg"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Child:
+    name: str
+    role: str  # prefill | decode | gateway
+    host: str
+    port: int
+    ports: list[int]  # every port this role binds; checked free before start
+    log: Path = Path()
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{_connect_host(self.host)}:{self.port}/health"
+
+
+@dataclass
+class Stopper:
+    """Turns SIGINT/SIGTERM into flags the main loop polls; a second signal skips the grace period."""
+    event: threading.Event = field(default_factory=threading.Event)
+    hurry: bool = False
+    _old: dict = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.event.is_set():
+            self.hurry = True
+        self.event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, seconds: float) -> None:
+        self.event.wait(seconds)
+
+
+def up(settings: Settings, config_path: str | os.PathLike, *, ready_timeout_s: float = READY_TIMEOUT_S) -> int:
+    """Run until stopped; 0 after a requested stop, 1 when a role failed or never became ready."""
+    config_path = Path(config_path).resolve()
+    children = plan(settings)
+    preflight(settings, children)
+    log_dir = config_path.parent / STATE_DIR / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stopper = Stopper()
+    stopper.install()
+    started: list[Child] = []
+    try:
+        for child in children:
+            if stopper.requested:
+                return 0
+            _start(child, config_path, log_dir)
+            started.append(child)
+            print(f"disagg up: started {child.name} (pid {child.proc.pid}), log {child.log}", flush=True)
+        rc = _wait_ready(started, stopper, ready_timeout_s)
+        if rc is None:
+            _print_ready(settings, started)
+            rc = _supervise(started, stopper)
+        return rc
+    finally:
+        stop_all(started, stopper)
+        stopper.restore()
+
+
+def plan(settings: Settings) -> list[Child]:
+    """Nodes whose host is this machine, then the gateway; nodes elsewhere are left to their own `disagg`."""
+    children = []
+    for node in settings.nodes:
+        if not _is_local(node.host):
+            print(f"disagg up: skipping {node.name} on {node.host} (run `disagg {node.role} --node {node.name}` there)")
+            continue
+        ports = [node.port] + ([node.kv_port] if node.kv_port else [])
+        children.append(Child(node.name, node.role, node.host, node.port, ports))
+    gw = settings.gateway
+    if _is_local(gw.host):
+        children.append(Child("gateway", "gateway", gw.host, gw.port, [gw.port]))
+    if not children:
+        raise ConfigError("no role in the config runs on this machine: set a node's or [gateway] host to a local "
+                          "address (127.0.0.1), or run `disagg <role>` on the machines named there")
+    return children
+
+
+def preflight(settings: Settings, children: list[Child]) -> None:
+    """Fail before starting anything: a busy port or an unprepared model would otherwise surface minutes later."""
+    problems = []
+    seen: dict[int, str] = {}
+    for c in children:
+        for port in c.ports:
+            if port in seen:
+                problems.append(f"port {port} is used by both {seen[port]} and {c.name}; give each its own port")
+            seen[port] = c.name
+            if not _port_free(c.host, port):
+                problems.append(f"{c.name}: port {port} on {c.host} is in use (another `disagg up`?); stop that "
+                                f"process or change the port in the config")
+    problems += _model_problems(settings, {c.name for c in children})
+    if problems:
+        raise ConfigError("disagg up cannot start:\n  " + "\n  ".join(problems))
+
+
+def _model_problems(settings: Settings, local: set[str]) -> list[str]:
+    from backends import models  # cheap: the heavy imports in models.py are inside prepare()
+
+    problems = []
+    for route in settings.models:
+        if not local & set(route.prefill + route.decode):
+            continue
+        path = resolve_model_path(route)
+        found = models.check(path, route.id) if route.id in models.EMBEDDED else (
+            [] if (path / "config.json").is_file() else [f"{path} has no config.json"])
+        if found:
+            problems.append(f"model {route.id!r} at {path} is not ready ({'; '.join(found)}); "
+                            f"run `disagg models prepare` (or `make models`)")
+    return problems
+
+
+def _start(child: Child, config_path: Path, log_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "backends.cli", child.role]
+    if child.role != "gateway":
+        cmd += ["--node", child.name]
+    cmd += ["--config", str(config_path)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DISAGG_CONFIG=str(config_path))
+    # Children must import this very checkout, whatever the caller's working directory.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    child.log = log_dir / f"{child.name}.log"
+    with open(child.log, "wb") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        # Own session = own process group, so stop_all reaches grandchildren (vLLM's EngineCore) too.
+        child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                      env=env, start_new_session=True, preexec_fn=_death_signal_hook())
+
+
+def _wait_ready(children: list[Child], stopper: Stopper, timeout_s: float) -> int | None:
+    """None once all children answer /health with 200; otherwise the exit code to return."""
+    t0 = last_note = time.monotonic()
+    while not all(c.ready for c in children):
+        if stopper.requested:
+            return 0
+        for c in children:
+            if c.proc.poll() is not None:
+                _report_exit(c)
+                return 1
+            if not c.ready and _healthy(c.health_url):
+                c.ready = True
+                print(f"disagg up: {c.name} ready after {time.monotonic() - t0:.0f}s", flush=True)
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            waiting = [f"{c.name} (log {c.log})" for c in children if not c.ready]
+            print(f"disagg up: not ready after {timeout_s:.0f}s: {', '.join(waiting)}", file=sys.stderr)
+            return 1
+        if now - last_note > NOTE_EVERY_S:
+            last_note = now
+            names = [c.name for c in children if not c.ready]
+            print(f"disagg up: waiting for {', '.join(names)} ({now - t0:.0f}s)", flush=True)
+        stopper.wait(POLL_S)
+    return None
+
+
+def _supervise(children: list[Child], stopper: Stopper) -> int:
+    while not stopper.requested:
+        for c in children:
+            if c.proc.poll() is not None:
+                _report_exit(c)
+                return 1
+        stopper.wait(1.0)
+    return 0
+
+
+def stop_all(children: list[Child], stopper: Stopper | None = None) -> None:
+    """SIGTERM every process group, wait up to STOP_GRACE_S for them to empty, then SIGKILL what is left."""
+    if not children:
+        return
+    print("disagg up: stopping " + ", ".join(c.name for c in children), flush=True)
+    for c in reversed(children):  # gateway first, so it stops taking requests before nodes vanish
+        _signal_group(c, signal.SIGTERM)
+    hurry = lambda: stopper is not None and stopper.hurry  # noqa: E731
+    _wait_groups(children, STOP_GRACE_S, hurry)
+    stubborn = [c for c in children if _group_alive(c)]
+    for c in stubborn:
+        print(f"disagg up: {c.name} did not stop in {STOP_GRACE_S:.0f}s; killing its process group", flush=True)
+        _signal_group(c, signal.SIGKILL)
+    _wait_groups(stubborn, 5.0, lambda: False)
+    print("disagg up: stopped", flush=True)
+
+
+def _wait_groups(children: list[Child], seconds: float, hurry) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not hurry():
+        if not any(_group_alive(c) for c in children):
+            return
+        time.sleep(0.1)
+
+
+def _signal_group(c: Child, sig: int) -> None:
+    try:
+        os.killpg(c.proc.pid, sig)  # start_new_session: pgid == the child's pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(c: Child) -> bool:
+    if c.proc.poll() is None:  # also reaps the leader, so a dead one stops counting
+        return True
+    try:
+        os.killpg(c.proc.pid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _report_exit(c: Child) -> None:
+    print(f"disagg up: {c.name} exited with code {c.proc.returncode}; last lines of {c.log}:", file=sys.stderr)
+    for line in _tail(c.log, 40):
+        print(f"  {c.name} | {line}", file=sys.stderr)
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in deque(f, maxlen=n)]
+    except OSError:
+        return []
+
+
+def _print_ready(settings: Settings, children: list[Child]) -> None:
+    gw = next((c for c in children if c.role == "gateway"), None)
+    if gw is None:
+        print("disagg up: ready (no gateway on this machine). Ctrl-C stops everything.", flush=True)
+        return
+    url = f"http://{_connect_host(gw.host)}:{gw.port}/v1"
+    model = settings.models[0].id if settings.models else "smollm2:135m"
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"temperature": 0, "max_tokens": 32}' % model)
+    print(f"disagg up: ready at {url}", flush=True)
+    print(f"  curl -i {url}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    print(f"  logs in {gw.log.parent}; Ctrl-C stops everything.", flush=True)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _connect_host(host: str) -> str:
+    """Where to reach a server bound to `host` from this machine (wildcards mean loopback)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _is_local(host: str) -> bool:
+    """A host is this machine when one of its addresses can be bound here."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    # SO_REUSEADDR like the servers themselves, so TIME_WAIT leftovers don't count as busy.
+    for family, _, _, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr[:2] if family == socket.AF_INET else addr)
+            except OSError:
+                return False
+    return True
+
+
+def _death_signal_hook():
+    """Linux: make the child get SIGTERM if `disagg up` itself dies (even by SIGKILL), so roles never outlive it.
+
+    libc is resolved here, in the parent: the hook runs between fork and exec, where importing is unsafe.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))

@@ -1,0 +1,246 @@
+"""`disagg up`: refuses to start on a busy port or an unprepared model; with the real roles it serves a chat
+completion, and Ctrl-C stops every process it started and frees every port."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+ROOT = Path(__file__).resolve().parents[1]
+URL_LINE = re.compile(r"ready at (http://\S+/v1)")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(v)  # str/int/float/bool are spelled the same in JSON and TOML
+
+
+def _to_toml(data: dict) -> str:
+    """Enough TOML for config.toml's shape: tables of scalars and arrays of tables."""
+    out = []
+    for key, val in data.items():
+        if isinstance(val, dict):
+            out.append(f"[{key}]")
+            out += [f"{k} = {_toml_value(v)}" for k, v in val.items()]
+        elif isinstance(val, list) and val and isinstance(val[0], dict):
+            for item in val:
+                out.append(f"[[{key}]]")
+                out += [f"{k} = {_toml_value(v)}" for k, v in item.items()]
+        else:
+            out.insert(0, f"{key} = {_toml_value(val)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _write_config(tmp_path: Path, edit=None) -> tuple[Path, dict]:
+    """config.toml with free ports and absolute model paths, so the test never collides with `make serve`."""
+    data = tomllib.loads((ROOT / "config.toml").read_text())
+    ports = iter(_free_ports(8))
+    data.setdefault("gateway", {})["port"] = next(ports)
+    for node in data["nodes"]:
+        node["port"] = next(ports)
+        if "kv_port" in node:
+            node["kv_port"] = next(ports)
+    for m in data["models"]:
+        m["path"] = str((ROOT / m["path"]).resolve())
+    if edit:
+        edit(data)
+    path = tmp_path / "config.toml"
+    path.write_text(_to_toml(data))
+    return path, data
+
+
+def _ports(data: dict) -> list[int]:
+    return [data["gateway"]["port"]] + [p for n in data["nodes"] for p in (n["port"], n.get("kv_port")) if p]
+
+
+def _up(config: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "backends.cli", "up", "--config", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **kw)
+
+
+def _pump(proc: subprocess.Popen) -> queue.Queue:
+    lines: queue.Queue = queue.Queue()
+
+    def run():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=run, daemon=True).start()
+    return lines
+
+
+def _wait_for_url(lines: queue.Queue, timeout_s: float, seen: list[str]) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if line is None:
+            return None
+        seen.append(line)
+        if m := URL_LINE.search(line):
+            return m.group(1)
+    return None
+
+
+def _logs(config: Path) -> str:
+    out = []
+    for log in sorted((config.parent / ".disagg" / "logs").glob("*.log")):
+        out.append(f"--- {log.name} (tail)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+    return "\n".join(out)
+
+
+def _kill_tree(procs: list) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _survivors(procs: list) -> list:
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    out = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_busy_port_fails_before_starting_anything(tmp_path):
+    config, data = _write_config(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", data["gateway"]["port"]))
+        busy.listen()
+        r = subprocess.run([sys.executable, "-m", "backends.cli", "up", "--config", str(config)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"port {data['gateway']['port']}" in r.stderr and "in use" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / ".disagg").exists()  # nothing was started
+
+
+def test_unprepared_model_fails_with_the_fix(tmp_path):
+    def point_at_empty_folder(data):
+        data["models"][0]["path"] = str(tmp_path / "no-model-here")
+
+    config, _ = _write_config(tmp_path, point_at_empty_folder)
+    r = subprocess.run([sys.executable, "-m", "backends.cli", "up", "--config", str(config)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "disagg models prepare" in r.stderr and "no-model-here" in r.stderr
+
+
+@pytest.mark.e2e
+def test_up_serves_then_stops_cleanly(tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("mlx_lm")
+    from backends.models import check
+
+    config, data = _write_config(tmp_path)
+    if problems := check(data["models"][0]["path"], data["models"][0]["id"]):
+        pytest.skip(f"model not prepared ({problems}); run `make models`")
+    proc = _up(config)
+    lines, seen, tree = _pump(proc), [], []
+    try:
+        url = _wait_for_url(lines, 600, seen)
+        assert url, "no ready line from disagg up:\n" + "".join(seen) + "\n" + _logs(config)
+        body = {"model": data["models"][0]["id"], "max_tokens": 8,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.status == 200
+            assert r.headers["x-disagg-path"] in ("disaggregated", "local", "fallback")
+            answer = json.load(r)
+        assert answer["choices"][0]["message"]["content"], answer
+
+        # Collect the whole tree (roles and their children, e.g. vLLM's EngineCore) before stopping it.
+        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+        assert len(tree) >= 4, tree  # up + prefill + decode + gateway
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, "".join(seen)
+        assert not _survivors(tree), f"left behind: {_survivors(tree)}"
+        busy = [p for p in _ports(data) if not _port_free(p)]
+        assert not busy, f"ports still bound after stop: {busy}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_tree(tree)
+
+
+@pytest.mark.e2e
+def test_a_role_that_dies_stops_everything(tmp_path):
+    """A model folder vLLM and mlx-lm cannot load: the first role to die takes `up` down with exit 1."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("mlx_lm")
+    bogus = tmp_path / "bogus-model"
+    bogus.mkdir()
+    (bogus / "config.json").write_text('{"model_type": "no_such_architecture"}')
+
+    def use_bogus_model(data):
+        data["models"][0]["id"] = "bogus:1"
+        data["models"][0]["path"] = str(bogus)
+
+    config, data = _write_config(tmp_path, use_bogus_model)
+    proc = _up(config)
+    tree = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(tree) < 4 and proc.poll() is None:
+            try:
+                tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                break
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 1, out
+        assert "exited with code" in out and "last lines of" in out
+        assert not _survivors(tree), f"left behind: {_survivors(tree)}"
+        assert all(_port_free(p) for p in _ports(data))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_tree(tree)
