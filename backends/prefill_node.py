@@ -38,7 +38,8 @@ def engine_args(settings: Settings, route: ModelRoute):
             kv_connector="DisaggConnector",
             kv_connector_module_path="kv_bridge.connector",
             kv_role="kv_producer",
-            kv_connector_extra_config={"queue_frames": kv.queue_frames, "connect_timeout_s": kv.connect_timeout_s},
+            kv_connector_extra_config={"queue_frames": kv.queue_frames, "connect_timeout_s": kv.connect_timeout_s,
+                                       "wire_dtype": kv.wire_dtype},
         ),
     )
 

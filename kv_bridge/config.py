@@ -71,6 +71,8 @@ class KVConfig(BaseModel):
     max_transfer_bytes: int = Field(default=8 << 30, ge=1024, description="largest total KV one transfer may declare")
     queue_frames: int = Field(default=256, ge=1, description="sender queue bound (frames) before the forward waits")
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    wire_dtype: Literal["auto", "float8_e4m3"] = Field(
+        default="auto", description="auto: the cache's own dtype; float8_e4m3: scaled fp8 on the wire (1/2 of bf16)")
 
 
 class Settings(BaseSettings):

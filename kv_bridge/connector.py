@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_bridge import wire
+from kv_bridge.extract import Extractor, wire_dtype_for
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.layouts import layout_for
 from kv_bridge.sender import KVSender
@@ -26,8 +27,6 @@ from kv_bridge.sender import KVSender
 # under vLLM's logger namespace, so our lines reach vLLM's handlers inside its worker processes
 log = logging.getLogger("vllm.disagg.connector")
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
-# bf16 has no numpy dtype: it is widened to float32 for the wire (fp8 and bf16 wire formats: bridge issue)
-_WIRE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "float32"}
 
 
 @dataclass
@@ -71,36 +70,41 @@ class DisaggConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._queue_frames = int(extra.get("queue_frames", 256))
         self._connect_timeout = float(extra.get("connect_timeout_s", 5.0))
+        self._wire_option = str(extra.get("wire_dtype", "auto"))
         self._reqs: dict[str, _ReqState] = {}  # scheduler side
         self._aborts: list[str] = []
         self._sender: KVSender | None = None  # worker side, created with the caches
-        self._layout = None
+        self._extractor: Extractor | None = None
+        self._scales: dict[str, tuple[float, float]] = {}
         self._layer_index: dict[str, int] = {}
         self._open_ids: set[str] = set()
         self._spec: dict = {}
-        self._wire_dtype = "float32"
 
     # ---- worker side ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        cfg = self._vllm_config
+        cfg, mc = self._vllm_config, self._vllm_config.model_config
         first_name, first = next(iter(kv_caches.items()))
-        backend = cfg.compilation_config.static_forward_context[first_name].attn_backend.get_name()
-        mc = cfg.model_config
-        self._layout = layout_for(backend, cfg.cache_config.block_size,
-                                  mc.get_num_kv_heads(cfg.parallel_config), mc.get_head_size())
-        if first.dtype not in _WIRE_DTYPES:
-            raise ValueError(f"KV cache dtype {first.dtype} is not supported by the bridge yet; "
-                             f"supported: {sorted(_WIRE_DTYPES.values())}")
-        self._wire_dtype = _WIRE_DTYPES[first.dtype]
+        ctx = cfg.compilation_config.static_forward_context
+        backend = ctx[first_name].attn_backend.get_name()
+        order = cfg.cache_config.get_resolved_kv_cache_layout().name
+        layout = layout_for(backend, cfg.cache_config.block_size, mc.get_num_kv_heads(cfg.parallel_config),
+                            mc.get_head_size(), order)
+        layout.check(tuple(first.shape))
+        cache_dtype = str(cfg.cache_config.cache_dtype)
+        wire_dtype = wire_dtype_for(first.dtype, cache_dtype, self._wire_option)
+        self._extractor = Extractor(layout, wire_dtype, cache_dtype.startswith("fp8"), first.device)
         for name in kv_caches:
             m = _LAYER_RE.search(name)
             if m is None:
                 raise ValueError(f"cannot tell the layer index of attention layer {name!r}")
             self._layer_index[name] = int(m.group(1))
+            layer = ctx[name]
+            self._scales[name] = (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
         self._spec = kv_spec(mc.model)
         self._sender = KVSender(self._queue_frames, self._connect_timeout)
-        log.info("disagg connector: backend %s, %d layers, wire dtype %s", backend, len(kv_caches), self._wire_dtype)
+        log.info("disagg connector: %s/%s, block %d, cache %s -> wire %s, %d layers", backend, order,
+                 layout.block_size, cache_dtype, wire_dtype, len(kv_caches))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return  # producer: nothing to load (vLLM may call this after the forward, so streams open lazily)
@@ -108,7 +112,8 @@ class DisaggConnector(KVConnectorBase_V1):
     def _open(self, s: SendSpec) -> None:
         hdr = wire.StreamHeader(transfer_id=s.transfer_id, fingerprint=self._spec["fingerprint"],
                                 num_layers=self._spec["num_layers"], num_kv_heads=self._spec["num_kv_heads"],
-                                head_dim=self._spec["head_dim"], dtype=self._wire_dtype, start=0, num_tokens=s.total)
+                                head_dim=self._spec["head_dim"], dtype=self._extractor.wire_dtype, start=0,
+                                num_tokens=s.total)
         self._sender.open(hdr, s.host, s.port)
         self._open_ids.add(s.transfer_id)
 
@@ -123,12 +128,8 @@ class DisaggConnector(KVConnectorBase_V1):
         for s in meta.sends:
             if s.first and s.transfer_id not in self._open_ids:
                 self._open(s)
-            blocks, off = self._layout.block_span(s.block_ids, s.start, s.end)
-            sub = kv_layer[torch.from_numpy(blocks)]  # copy only this request's blocks, in vLLM's layout
-            if sub.dtype == torch.bfloat16:
-                sub = sub.float()
-            k, v = self._layout.gather(sub.numpy(), list(range(len(blocks))), off, off + s.end - s.start)
-            self._sender.send_layer(s.transfer_id, layer, s.start, k, v)
+            h = self._extractor.extract(kv_layer, s.block_ids, s.start, s.end, self._scales[layer_name])
+            self._sender.send_layer(s.transfer_id, layer, s.start, h.keys, h.values, h.scales, h.ready)
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():

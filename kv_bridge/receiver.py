@@ -29,7 +29,7 @@ class TransferError(RuntimeError):
 
 @dataclass
 class ReceivedKV:
-    """Complete KV for tokens [start, start + num_tokens): keys/values shaped (L, H, T, D)."""
+    """Complete KV for tokens [start, start + num_tokens): float32 keys/values shaped (L, H, T, D)."""
 
     start: int
     keys: np.ndarray
@@ -48,7 +48,7 @@ class Transfer:
         self.cfg = cfg
         self.future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are read via result()
-        self._keys = self._values = self._filled = None
+        self._keys = self._values = self._filled = self._hdr = None
         self._t0 = 0.0
         self._bytes = 0
 
@@ -61,16 +61,16 @@ class Transfer:
         if hdr.start != 0 or hdr.num_tokens != self.num_tokens:
             raise TransferError("kv_error", f"transfer declares tokens [{hdr.start}, {hdr.start + hdr.num_tokens}), "
                                 f"decode expects [0, {self.num_tokens})")
-        total = hdr.kv_bytes(hdr.num_tokens) * hdr.num_layers
+        total = hdr.kv_bytes(hdr.num_tokens, itemsize=4) * hdr.num_layers  # arrives widened to float32
         if hdr.num_tokens > self.cfg.max_tokens or total > self.cfg.max_transfer_bytes:
             raise TransferError("kv_error", f"transfer of {hdr.num_tokens} tokens / {total} bytes is over the "
                                 f"configured bound ({self.cfg.max_tokens} tokens, {self.cfg.max_transfer_bytes} bytes)")
 
     def begin(self, hdr: wire.StreamHeader) -> None:
         shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
-        dt = wire.DTYPES[hdr.dtype]
-        self._keys, self._values = np.empty(shape, dt), np.empty(shape, dt)
+        self._keys, self._values = np.empty(shape, np.float32), np.empty(shape, np.float32)
         self._filled = np.zeros((hdr.num_layers, hdr.num_tokens), dtype=bool)
+        self._hdr = hdr
         self._t0 = time.perf_counter()
 
     def add(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -80,7 +80,7 @@ class Transfer:
         self._keys[layer, :, start:start + n] = k
         self._values[layer, :, start:start + n] = v
         self._filled[layer, start:start + n] = True
-        self._bytes += k.nbytes + v.nbytes
+        self._bytes += self._hdr.kv_bytes(n)  # bytes as they crossed the network
 
     def finish(self) -> None:
         if not self._filled.all():

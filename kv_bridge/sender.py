@@ -46,8 +46,10 @@ class KVSender:
     def open(self, hdr: wire.StreamHeader, host: str, port: int) -> None:
         self._q.put(("open", hdr.transfer_id, (hdr, host, port)))
 
-    def send_layer(self, transfer_id: str, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        self._q.put(("kv", transfer_id, (layer, start, keys, values)))
+    def send_layer(self, transfer_id: str, layer: int, start: int, keys: np.ndarray, values: np.ndarray,
+                   scales: np.ndarray | None = None, ready=None) -> None:
+        """Queue one frame; `ready()` (a CUDA event's synchronize) runs on the writer thread before sending."""
+        self._q.put(("kv", transfer_id, (layer, start, keys, values, scales, ready)))
 
     def close(self, transfer_id: str, error: str | None = None) -> None:
         self._q.put(("close", transfer_id, error))
@@ -80,7 +82,11 @@ class KVSender:
         if st is None:
             return
         if op == "kv" and st.failed is None:
-            self._write(st, tid, wire.kv_frame_parts(*arg))
+            layer, start, k, v, scales, ready = arg
+            if ready is not None:
+                ready()
+            ks, vs = (1.0, 1.0) if scales is None else (float(scales[0]), float(scales[1]))
+            self._write(st, tid, wire.kv_frame_parts(layer, start, k, v, ks, vs))
         elif op == "close":
             self._streams.pop(tid, None)
             self._finish(st, tid, arg)

@@ -2,7 +2,8 @@
 
 Frame:  type u8 | body_len u32 | body | crc32(body) u32     (all little-endian; no pickle anywhere)
 Stream: HEADER ->(receiver answers ACK or ERROR)-> KV* -> DONE   (or ERROR from the sender at any point)
-KV body: layer u32 | token_start u32 | token_count u32 | K (H, count, D) | V (H, count, D), dtype from HEADER.
+KV body: layer u32 | token_start u32 | token_count u32 | k_scale f32 | v_scale f32 | K (H, count, D) | V (H, count, D)
+         in the HEADER's wire dtype (kv_bridge/dtypes.py); scales are 1.0 except for fp8.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kv_bridge import dtypes
+
 VERSION = 1
 HEADER, KV, DONE, ERROR, ACK = 1, 2, 3, 4, 5
 FRAME_TYPES = {HEADER, KV, DONE, ERROR, ACK}
 PREFIX = struct.Struct("<BI")
-KV_PREFIX = struct.Struct("<III")
+KV_PREFIX = struct.Struct("<IIIff")
 CRC = struct.Struct("<I")
 MAX_JSON_BYTES = 64 << 10
-DTYPES = {"float32": np.float32, "float16": np.float16}  # bfloat16 travels as float32 until the bridge issue
 
 
 class WireError(ValueError):
@@ -53,20 +55,16 @@ class StreamHeader:
             raise WireError(f"bad stream header: {e}") from None
         if hdr.version != VERSION:
             raise WireError(f"wire version {hdr.version} not supported (this side speaks {VERSION})")
-        if hdr.dtype not in DTYPES:
-            raise WireError(f"wire dtype {hdr.dtype!r} not supported; expected one of {sorted(DTYPES)}")
+        if hdr.dtype not in dtypes.STORAGE:
+            raise WireError(f"wire dtype {hdr.dtype!r} not supported; expected one of {sorted(dtypes.STORAGE)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "start", "num_tokens"):
             if not isinstance(getattr(hdr, name), int) or getattr(hdr, name) < 0:
                 raise WireError(f"bad stream header field {name}={getattr(hdr, name)!r}")
         return hdr
 
-    @property
-    def itemsize(self) -> int:
-        return np.dtype(DTYPES[self.dtype]).itemsize
-
-    def kv_bytes(self, count: int) -> int:
-        """Payload bytes of one KV frame of `count` tokens (K and V)."""
-        return 2 * self.num_kv_heads * count * self.head_dim * self.itemsize
+    def kv_bytes(self, count: int, itemsize: int | None = None) -> int:
+        """Payload bytes of one KV frame of `count` tokens (K and V), in the wire dtype unless told otherwise."""
+        return 2 * self.num_kv_heads * count * self.head_dim * (itemsize or dtypes.itemsize(self.dtype))
 
 
 def frame_parts(ftype: int, *body: bytes | memoryview) -> list[bytes | memoryview]:
@@ -82,10 +80,12 @@ def json_frame(ftype: int, obj: dict) -> bytes:
     return b"".join(frame_parts(ftype, json.dumps(obj).encode()))
 
 
-def kv_frame_parts(layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> list:
-    """keys, values: contiguous (H, count, D) arrays of the header's dtype."""
+def kv_frame_parts(layer: int, start: int, keys: np.ndarray, values: np.ndarray,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> list:
+    """keys, values: contiguous (H, count, D) arrays in the header's wire storage dtype."""
     count = keys.shape[1]
-    return frame_parts(KV, KV_PREFIX.pack(layer, start, count), memoryview(keys).cast("B"), memoryview(values).cast("B"))
+    return frame_parts(KV, KV_PREFIX.pack(layer, start, count, k_scale, v_scale),
+                       memoryview(keys).cast("B"), memoryview(values).cast("B"))
 
 
 def check_prefix(ftype: int, length: int, max_body: int) -> None:
@@ -114,10 +114,10 @@ def parse_json(body: bytes | memoryview) -> dict:
 
 
 def parse_kv(body: memoryview, hdr: StreamHeader) -> tuple[int, int, np.ndarray, np.ndarray]:
-    """Decode a KV frame body into (layer, token_start, K, V); K, V are views of `body`."""
+    """Decode a KV frame body into (layer, token_start, K, V) as float32 (H, count, D) arrays."""
     if len(body) < KV_PREFIX.size:
         raise WireError("KV frame shorter than its prefix")
-    layer, start, count = KV_PREFIX.unpack_from(body)
+    layer, start, count, k_scale, v_scale = KV_PREFIX.unpack_from(body)
     if layer >= hdr.num_layers:
         raise WireError(f"KV frame for layer {layer}, stream has {hdr.num_layers} layers")
     end = hdr.start + hdr.num_tokens
@@ -125,9 +125,11 @@ def parse_kv(body: memoryview, hdr: StreamHeader) -> tuple[int, int, np.ndarray,
         raise WireError(f"KV frame tokens [{start}, {start + count}) outside the stream's [{hdr.start}, {end})")
     if len(body) - KV_PREFIX.size != hdr.kv_bytes(count):
         raise WireError(f"KV frame payload is {len(body) - KV_PREFIX.size} bytes, shape says {hdr.kv_bytes(count)}")
+    if not (np.isfinite(k_scale) and np.isfinite(v_scale) and k_scale > 0 and v_scale > 0):
+        raise WireError(f"KV frame scales must be finite and positive, got {k_scale}, {v_scale}")
     shape = (hdr.num_kv_heads, count, hdr.head_dim)
     half = hdr.kv_bytes(count) // 2
-    dt = np.dtype(DTYPES[hdr.dtype]).newbyteorder("<")
+    dt = np.dtype(dtypes.STORAGE[hdr.dtype]).newbyteorder("<")
     k = np.frombuffer(body, dtype=dt, count=half // dt.itemsize, offset=KV_PREFIX.size).reshape(shape)
     v = np.frombuffer(body, dtype=dt, count=half // dt.itemsize, offset=KV_PREFIX.size + half).reshape(shape)
-    return layer, start, k, v
+    return layer, start, dtypes.to_float32(k, hdr.dtype, k_scale), dtypes.to_float32(v, hdr.dtype, v_scale)

@@ -1,4 +1,8 @@
-"""Interface of a paged-KV layout adapter: gather one request's tokens of one layer into (H, T, D) K and V."""
+"""Interface of a paged-KV layout adapter: one request's tokens of one layer -> (H, T, D) K and V.
+
+Adapters only index, slice, permute and reshape, so the same code runs on numpy arrays (tests, benchmarks,
+the CPU engine) and on torch tensors (on the GPU, before the device-to-host copy).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,27 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def permute(x, axes: tuple[int, ...]):
+    """x.permute(*axes) for torch tensors, x.transpose(axes) for numpy arrays."""
+    return x.permute(*axes) if hasattr(x, "permute") else x.transpose(axes)
+
+
 @dataclass(frozen=True)
 class PagedLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
 
-    def gather(self, kv_layer: np.ndarray, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """K, V for token positions [start, end) of the request whose blocks are `block_ids`.
+    def split(self, blocks, off: int, n: int):
+        """K, V of `n` tokens starting `off` tokens into `blocks` (the request's pages, in block order).
 
-        Returns contiguous copies shaped (H, end - start, D): the paged blocks may be reused after the step.
+        blocks: the engine's per-layer cache indexed by the request's block ids, e.g. kv_layer[block_ids].
+        Returns (H, n, D) arrays/tensors of the cache dtype; not necessarily contiguous.
         """
+        raise NotImplementedError
+
+    def check(self, kv_layer_shape: tuple[int, ...]) -> None:
+        """Refuse a per-layer cache whose shape this adapter does not describe."""
         raise NotImplementedError
 
     def block_span(self, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, int]:
@@ -26,3 +40,9 @@ class PagedLayout:
         if last >= len(block_ids):
             raise ValueError(f"tokens up to {end} need {last + 1} blocks, request has {len(block_ids)}")
         return np.asarray(block_ids[first:last + 1], dtype=np.int64), start - first * self.block_size
+
+    def gather(self, kv_layer: np.ndarray, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """numpy convenience: contiguous (H, end - start, D) copies of K and V for tokens [start, end)."""
+        blocks, off = self.block_span(block_ids, start, end)
+        k, v = self.split(kv_layer[blocks], off, end - start)
+        return np.ascontiguousarray(k), np.ascontiguousarray(v)

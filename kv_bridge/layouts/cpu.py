@@ -1,4 +1,4 @@
-"""vLLM CPU attention backend (CPU_ATTN) paged layout.
+"""vLLM CPU attention backend (CPU_ATTN, layout LBHNC) paged layout.
 
 vLLM [num_blocks, H, block, 2 * D] per layer; inside each (block, head) row of 2 * block * D values:
 K stored transposed as [D, block], then V as [block, D]. (Verified against MLX-computed KV in tests.)
@@ -9,23 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from kv_bridge.layouts.base import PagedLayout
+from kv_bridge.layouts.base import PagedLayout, permute
 
 
 class CpuAttnLayout(PagedLayout):
-    def gather(self, kv_layer: np.ndarray, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        bs, h, d = self.block_size, self.num_kv_heads, self.head_dim
-        if kv_layer.shape[1:] != (h, bs, 2 * d):
-            raise ValueError(f"CPU_ATTN KV layer has shape {kv_layer.shape}, expected [blocks, {h}, {bs}, {2 * d}]")
-        blocks, off = self.block_span(block_ids, start, end)
-        n = len(blocks)
-        rows = kv_layer[blocks].reshape(n, h, 2, bs * d)                   # fancy index: a copy of n blocks
-        k = rows[:, :, 0].reshape(n, h, d, bs).transpose(1, 0, 3, 2)      # (H, n, bs, D)
-        v = rows[:, :, 1].reshape(n, h, bs, d).transpose(1, 0, 2, 3)      # (H, n, bs, D)
-        sl = slice(off, off + end - start)
-        k = np.ascontiguousarray(k.reshape(h, n * bs, d)[:, sl])
-        v = np.ascontiguousarray(v.reshape(h, n * bs, d)[:, sl])
-        return k, v
+    def check(self, kv_layer_shape: tuple[int, ...]) -> None:
+        want = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
+        if tuple(kv_layer_shape[1:]) != want:
+            raise ValueError(f"CPU_ATTN KV layer has shape {tuple(kv_layer_shape)}, expected [blocks, *{want}]")
+
+    def split(self, blocks, off: int, n: int):
+        nb, h, bs, d = blocks.shape[0], self.num_kv_heads, self.block_size, self.head_dim
+        rows = blocks.reshape(nb, h, 2, bs * d)
+        k = permute(rows[:, :, 0].reshape(nb, h, d, bs), (1, 0, 3, 2))   # (H, nb, bs, D)
+        v = permute(rows[:, :, 1].reshape(nb, h, bs, d), (1, 0, 2, 3))   # (H, nb, bs, D)
+        return k.reshape(h, nb * bs, d)[:, off:off + n], v.reshape(h, nb * bs, d)[:, off:off + n]
 
     def scatter(self, kv_layer: np.ndarray, block_ids: list[int], start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Inverse of gather (builds synthetic paged caches for tests and benchmarks)."""
