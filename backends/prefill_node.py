@@ -30,6 +30,7 @@ def engine_args(settings: Settings, route: ModelRoute):
         model=str(resolve_model_path(route)),
         served_model_name=[route.id],
         dtype=settings.prefill.dtype,
+        kv_cache_dtype=settings.prefill.kv_cache_dtype,
         max_model_len=route.max_model_len,
         gpu_memory_utilization=settings.prefill.gpu_memory_utilization,
         enforce_eager=settings.prefill.enforce_eager,

@@ -58,6 +58,8 @@ class PrefillConfig(BaseModel):
     kv_cache_space_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     enforce_eager: bool = True
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        default="auto", description="vLLM KV cache dtype; fp8 caches cross the wire as fp8 with their scales")
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
 
 

@@ -90,13 +90,14 @@ class Stack:
             return f"http://127.0.0.1:{self.settings.gateway.port}"
         return self.settings.node(name).url
 
-    def start(self, name: str, timeout: float = 600) -> None:
+    def start(self, name: str, timeout: float = 600, env: dict[str, str] | None = None) -> None:
         role = "gateway" if name == "gateway" else self.settings.node(name).role
         cmd = [sys.executable, "-m", "backends.cli", role, "--config", str(self.config)]
         if role != "gateway":
             cmd += ["--node", name]
         log = open(self.folder / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, **(env or {})})
         wait_http(self.url(name) + "/health", timeout, self.procs[name])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
