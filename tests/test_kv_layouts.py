@@ -1,0 +1,129 @@
+"""Layout adapters and wire dtypes: numpy and torch paths agree, fp8/bf16 decode matches torch's own casts.
+
+The CUDA tests run the connector's own gather-and-copy code (side stream, pinned memory, event) on synthetic
+paged caches; they are skipped on machines without an NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kv_bridge import dtypes
+from kv_bridge.extract import Extractor, wire_dtype_for
+from kv_bridge.layouts import LAYOUTS, layout_for
+
+H, D, BS = 3, 64, 16
+rng = np.random.default_rng(7)
+
+
+def synthetic(layout_name: str, backend: str, tokens: int, blocks: list[int], num_blocks: int = 12):
+    """A paged cache in `backend`'s layout holding known K, V for positions [0, tokens) of one request."""
+    lay = layout_for(backend, BS, H, D, layout_name)
+    k = rng.standard_normal((H, tokens, D)).astype(np.float32)
+    v = rng.standard_normal((H, tokens, D)).astype(np.float32)
+    paged = np.zeros((num_blocks, H, BS, 2 * D), np.float32)
+    lay.scatter(paged, blocks, 0, k, v)
+    return lay, paged, k, v
+
+
+@pytest.mark.parametrize("backend,order", sorted(LAYOUTS))
+@pytest.mark.parametrize("start,end", [(0, 1), (0, 40), (15, 17), (20, 48)])
+def test_gather_recovers_scattered_kv(backend, order, start, end):
+    lay, paged, k, v = synthetic(order, backend, 48, [5, 1, 9])
+    gk, gv = lay.gather(paged, [5, 1, 9], start, end)
+    assert np.array_equal(gk, k[:, start:end]) and np.array_equal(gv, v[:, start:end])
+
+
+@pytest.mark.parametrize("backend,order", [("CPU_ATTN", "LBHNC"), ("FLASH_ATTN", "LBNHC")])
+def test_torch_extractor_matches_numpy_gather(backend, order):
+    lay, paged, k, v = synthetic(order, backend, 40, [3, 0, 7])
+    ex = Extractor(lay, "float32", cache_is_fp8=False, device=torch.device("cpu"))
+    h = ex.extract(torch.from_numpy(paged), [3, 0, 7], 10, 40, (1.0, 1.0))
+    h.ready()
+    assert np.array_equal(h.keys, k[:, 10:40]) and np.array_equal(h.values, v[:, 10:40])
+    assert list(h.scales) == [1.0, 1.0]
+
+
+def test_dense_layout_indexes_a_physically_permuted_cache():
+    """NHD caches are a strided view of [blocks, H, block, 2D]: the logical indexing still finds each token."""
+    lay, paged, k, v = synthetic("LBNHC", "FLASH_ATTN", 32, [2, 4])
+    physical = np.ascontiguousarray(paged.transpose(0, 2, 1, 3))         # memory order [B, N, H, C]
+    logical = torch.from_numpy(physical).permute(0, 2, 1, 3)              # what vLLM hands the backend
+    ex = Extractor(lay, "float32", cache_is_fp8=False, device=torch.device("cpu"))
+    h = ex.extract(logical, [2, 4], 0, 32, (1.0, 1.0))
+    assert np.array_equal(h.keys, k) and np.array_equal(h.values, v)
+
+
+def test_bf16_cache_travels_as_raw_bits():
+    lay, paged, k, v = synthetic("LBHNC", "CPU_ATTN", 20, [1, 2])
+    t = torch.from_numpy(paged).to(torch.bfloat16)
+    ex = Extractor(lay, wire_dtype_for(torch.bfloat16, "auto", "auto"), cache_is_fp8=False, device=torch.device("cpu"))
+    h = ex.extract(t, [1, 2], 0, 20, (1.0, 1.0))
+    assert h.keys.dtype == np.uint16
+    want = torch.from_numpy(k).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(dtypes.to_float32(h.keys, "bfloat16"), want)
+
+
+def test_e4m3_table_matches_torch():
+    codes = torch.arange(256, dtype=torch.uint8)
+    ref = codes.view(torch.float8_e4m3fn).float().numpy()
+    ours = dtypes.E4M3_TABLE
+    finite = ~np.isnan(ref)
+    assert np.array_equal(np.isnan(ours), ~finite)
+    assert np.array_equal(ours[finite], ref[finite])
+
+
+def test_e4m3_encode_matches_torch_rounding():
+    x = rng.standard_normal(10000).astype(np.float32) * 50
+    ours = dtypes.e4m3_encode(x, 0.5)
+    ref = (torch.from_numpy(x) / 0.5).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert (ours == ref).mean() > 0.999  # ties may round differently; values then differ by one step
+    assert np.allclose(dtypes.to_float32(ours, "float8_e4m3", 0.5), x, rtol=2 ** -4, atol=0.5 * 2 ** -9)
+
+
+def test_fp8_wire_option_quantizes_per_frame():
+    lay, paged, k, v = synthetic("LBHNC", "CPU_ATTN", 30, [0, 1])
+    ex = Extractor(lay, "float8_e4m3", cache_is_fp8=False, device=torch.device("cpu"))
+    h = ex.extract(torch.from_numpy(paged), [0, 1], 0, 30, (1.0, 1.0))
+    assert h.keys.dtype == np.uint8
+    ks, vs = (float(s) for s in h.scales)
+    assert ks == pytest.approx(np.abs(k).max() / 448, rel=1e-6)
+    np.testing.assert_allclose(dtypes.to_float32(h.keys, "float8_e4m3", ks), k, rtol=2 ** -4, atol=ks * 2 ** -9)
+    np.testing.assert_allclose(dtypes.to_float32(h.values, "float8_e4m3", vs), v, rtol=2 ** -4, atol=vs * 2 ** -9)
+
+
+def test_unsupported_cache_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match="fp8_e5m2"):
+        wire_dtype_for(torch.uint8, "fp8_e5m2", "auto")
+    with pytest.raises(ValueError, match="int8"):
+        wire_dtype_for(torch.int8, "auto", "auto")
+    with pytest.raises(ValueError, match="CPU_ATTN.*LBNHC"):
+        layout_for("CPU_ATTN", 16, 8, 128, "LBNHC")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("dtype,wire", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
+                                        (torch.bfloat16, "float8_e4m3")])
+def test_cuda_gather_and_copy(order, dtype, wire):
+    """The connector's CUDA path: gather on a side stream, copy to pinned memory, event, then host values."""
+    lay, paged, k, v = synthetic(order, "FLASH_ATTN", 300, list(range(19, 0, -1)), num_blocks=24)
+    dev = torch.device("cuda")
+    physical = torch.from_numpy(paged).to(dev, dtype)
+    if order == "LBNHC":
+        physical = physical.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    ex = Extractor(lay, wire, cache_is_fp8=False, device=dev)
+    h = ex.extract(physical, list(range(19, 0, -1)), 37, 300, (1.0, 1.0))
+    h.ready()
+    want_k = torch.from_numpy(k[:, 37:300]).to(dtype).float().numpy()
+    got_k = dtypes.to_float32(h.keys, wire, float(h.scales[0]))
+    if wire == "float8_e4m3":
+        np.testing.assert_allclose(got_k, want_k, rtol=2 ** -4, atol=float(h.scales[0]) * 2 ** -9)
+    else:
+        assert np.array_equal(got_k, want_k)
