@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body, node_app, run_app
-from backends.sampling import GenParams, StopMatcher
+from backends.sampling import GenParams, StopMatcher, make_sampling, token_logprobs
 from kv_bridge.config import NodeConfig, Settings, resolve_model_path
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver, TransferError
@@ -42,14 +42,15 @@ class MLXModel:
 
         self.model, self.tokenizer = load(self.path)
         self.dtype = tree_flatten(self.model.parameters())[0][1].dtype
+        # The logits width: what logit_bias ids and top_k are checked against.
+        self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
 
     def generate(self, ids: list[int], kv, gen: GenParams, emit, cancel: threading.Event) -> None:
-        """Runs on the MLX thread: emit(event) for each sampled token, then emit(None)."""
+        """Runs on the MLX thread: emit(("token", line, finish_reason)) for each sampled token, then emit(None)."""
         import mlx.core as mx
         from mlx_lm import stream_generate
         from mlx_lm.models.cache import make_prompt_cache
-        from mlx_lm.sample_utils import make_sampler
 
         from kv_bridge.mlx_cache import build_prompt_cache
 
@@ -62,10 +63,11 @@ class MLXModel:
                 cache = make_prompt_cache(self.model)
             if gen.seed is not None:
                 mx.random.seed(gen.seed)
-            sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p)
+            sampler, processors = make_sampling(gen, ids[:start], self.vocab_size)
+            lead = _LeadingSpace(self.tokenizer)
             for r in stream_generate(self.model, self.tokenizer, mx.array(ids[start:]), max_tokens=gen.max_tokens,
-                                     sampler=sampler, prompt_cache=cache):
-                emit(("token", r.token, r.text, r.finish_reason))
+                                     sampler=sampler, logits_processors=processors, prompt_cache=cache):
+                emit(("token", {**_token_line(r, gen), "text": lead.fix(r.token, r.text)}, r.finish_reason))
                 if cancel.is_set():
                     break
         except Exception as e:  # reported to the caller as an error line, never a dead stream
@@ -73,6 +75,32 @@ class MLXModel:
             emit(("error", f"{type(e).__name__}: {e}"))
         finally:
             emit(None)
+
+
+class _LeadingSpace:
+    """mlx-lm's BPE streaming detokenizer drops the leading space of the first text it emits (" Paris" -> "Paris");
+    vLLM and the tokenizer's own decode keep it, and a raw completion needs it. Restore it on the first segment."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.settled = tokenizer, [], False
+
+    def fix(self, token: int, text: str) -> str:
+        if self.settled:
+            return text
+        self.ids.append(token)
+        if not text:
+            return text
+        self.settled = True
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return " " + text if full.startswith(" ") and not text.startswith(" ") else text
+
+
+def _token_line(r, gen: GenParams) -> dict:
+    """The NDJSON token line for one GenerationResponse (MLX thread: logprobs read an mx.array)."""
+    line = {"type": "token", "token_id": r.token, "text": r.text}
+    if gen.logprobs is not None:
+        line["logprob"], line["top_logprobs"] = token_logprobs(r.logprobs, r.token, gen.logprobs)
+    return line
 
 
 class DecodeService:
@@ -115,7 +143,9 @@ class DecodeService:
             kv_tokens = kv.get("tokens") if isinstance(kv, dict) else None
             if not isinstance(kv_tokens, int) or not 1 <= kv_tokens < len(ids):
                 raise bad_request("kv.tokens must be an integer in [1, len(token_ids) - 1]: decode runs the last token")
-        return m, ids, kv_tokens, GenParams.parse(body)
+        gen = GenParams.parse(body)
+        gen.check_vocab(m.vocab_size)
+        return m, ids, kv_tokens, gen
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
@@ -166,14 +196,14 @@ class DecodeService:
                 if ev[0] == "error":
                     await _line(resp, {"type": "error", "message": ev[1]})
                     return
-                _, token, text, reason = ev
+                _, line, reason = ev
                 n += 1
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
-                text, hit = stops.feed(text)
+                text, hit = stops.feed(line["text"])
                 if reason and not hit:
                     text += stops.flush()
                 finish = "stop" if hit else (reason or finish)
-                await _line(resp, {"type": "token", "token_id": token, "text": text})
+                await _line(resp, {**line, "text": text})
                 if hit:
                     cancel.set()
                     break

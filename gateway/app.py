@@ -17,7 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_bridge.config import Settings, resolve_model_path
 
+from . import ollama
 from .chat import STATE, GatewayState, chat_completions
+from .completions import completions
 from .errors import APIError
 from .metrics import Metrics
 from .nodes import NodePool
@@ -125,10 +127,12 @@ def create_app(settings: Settings) -> web.Application:
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    ollama.add_routes(app)
     return app
 
 

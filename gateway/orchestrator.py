@@ -1,5 +1,6 @@
 """One generation across nodes, per docs/protocol.md: open the decode stream, then (disaggregated path) ask a
-prefill node to push KV for prompt[:-1] to the decode node; abort the transfer if prefill fails.
+prefill node to push KV for prompt[:-1] to the decode node; abort the transfer if prefill fails. `Choices` runs
+n such generations of one prompt concurrently (each picks the least-loaded decode node) and merges their streams.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator
 
 import aiohttp
@@ -26,21 +27,36 @@ DISAGGREGATED, LOCAL, FALLBACK = "disaggregated", "local", "fallback"
 # After decode's done line, wait this long for the prefill call to answer (for its timing) before cancelling it.
 PREFILL_GRACE_S = 2.0
 _CONNECT_TIMEOUT_S = 5.0
+_SEED_SPACE = 1 << 64  # seeds are unsigned 64-bit on the decode node
 
 
 @dataclass
 class Sampling:
+    """What the decode node samples with; `payload()` is the sampling part of the /v1/generate body."""
+
     max_tokens: int
     temperature: float
     top_p: float
     seed: int | None
     stop: list[str]
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = field(default_factory=dict)  # token id (decimal string) -> additive bias
+    logprobs: int | None = None  # alternatives per token to report; None: no logprobs at all
+
+    def payload(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
 class Token:
     token_id: int
     text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # best first
 
 
 @dataclass
@@ -124,9 +140,7 @@ class Generation:
     async def open(self, sampling: Sampling) -> None:
         """POST /v1/generate and wait for `accepted`; then start the prefill call. Raises NodeUnavailable to fail over."""
         payload = {
-            "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt,
-            "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "seed": sampling.seed, "stop": sampling.stop,
+            "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt, **sampling.payload(),
             "kv": {"tokens": len(self.prompt) - 1} if self.kv_requested else None,
         }
         url = f"{self.decode.url}/v1/generate"
@@ -187,7 +201,9 @@ class Generation:
 
     def _token(self, msg: dict) -> Token:
         try:
-            return Token(int(msg["token_id"]), str(msg.get("text") or ""))
+            lp, top = msg.get("logprob"), msg.get("top_logprobs")
+            return Token(int(msg["token_id"]), str(msg.get("text") or ""), None if lp is None else float(lp),
+                         None if top is None else [(int(t), float(v)) for t, v in top])
         except (KeyError, TypeError, ValueError):
             raise UpstreamError(f"decode node {self.decode.name} sent a malformed token line: {msg!r}") from None
 
@@ -285,3 +301,79 @@ class Orchestrator:
                     log.warning("abort of %s on %s answered HTTP %s", request_id, decode.name, resp.status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             log.warning("abort of %s on %s failed: %s", request_id, decode.name, e)
+
+
+def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
+    """One Sampling per choice. A seed is offset by the choice index (as vLLM does), so a seeded n=2 request
+    gives two different, reproducible choices rather than two copies."""
+    if sampling.seed is None:
+        return [replace(sampling) for _ in range(n)]
+    return [replace(sampling, seed=(sampling.seed + i) % _SEED_SPACE) for i in range(n)]
+
+
+class Choices:
+    """Start with `start()`, iterate `events()`: (index, Token) per token, (index, None) when choice `index`
+    is done (its `done` line is then in `dones[index]`). Always `close()`."""
+
+    def __init__(self, orch: Orchestrator, route: ModelRoute, prompt: list[int], samplings: list[Sampling]) -> None:
+        self._orch, self.route, self.prompt, self.samplings = orch, route, prompt, samplings
+        self.gens: list[Generation] = []
+        self._pumps: list[asyncio.Task] = []
+        self._closed = False
+
+    @property
+    def n(self) -> int:
+        return len(self.samplings)
+
+    async def start(self) -> None:
+        """Open every generation; if any cannot start, close the others and raise its error."""
+        results = await asyncio.gather(
+            *(self._orch.start(self.route, self.prompt, s) for s in self.samplings), return_exceptions=True
+        )
+        self.gens = [r for r in results if isinstance(r, Generation)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+
+    @property
+    def first(self) -> Generation:
+        return self.gens[0]
+
+    @property
+    def dones(self) -> list[Done | None]:
+        return [g.done for g in self.gens]
+
+    async def events(self) -> AsyncIterator[tuple[int, Token | None]]:
+        """Tokens of all choices in arrival order; the first failing choice's error is raised here."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(i, g, q)) for i, g in enumerate(self.gens)]
+        running = len(self.gens)
+        while running:
+            index, item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+            yield index, item
+
+    @staticmethod
+    async def _pump(index: int, gen: Generation, q: asyncio.Queue) -> None:
+        try:
+            async for tok in gen.tokens():
+                q.put_nowait((index, tok))
+            q.put_nowait((index, None))
+        except Exception as e:  # handed to the consumer, which raises it where the client can be told
+            q.put_nowait((index, e))
+
+    async def close(self) -> None:
+        """Stop reading, then close every generation (an unfinished one tells its decode node to stop)."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._pumps:
+            t.cancel()
+        for t in self._pumps:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await asyncio.gather(*(g.close() for g in self.gens))

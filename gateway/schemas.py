@@ -1,4 +1,8 @@
-"""OpenAI chat-completion request validation (pydantic) and the response/chunk shapes the gateway sends."""
+"""OpenAI request validation (pydantic) for /v1/chat/completions and /v1/completions.
+
+Shape and range errors come from pydantic; `check()` adds the cross-field rules. Both become a 400 whose
+`param` names the field. Response shapes live in gateway.responses.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ContextLengthExceeded, InvalidRequest
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's own default
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP = 4
 
 
 class TextPart(BaseModel):
@@ -29,28 +37,69 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    # Unknown OpenAI fields (logprobs, user, ...) are accepted and ignored, as clients send many.
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+Penalty = Field(default=None, ge=-2.0, le=2.0)
+
+
+class GenerationRequest(BaseModel):
+    """Fields both endpoints share. Unknown OpenAI fields (user, metadata, ...) are accepted and ignored."""
+
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)  # 0: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Penalty
+    frequency_penalty: float | None = Penalty
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, Any] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1, le=1, description="only one choice is generated")
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, Any] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        out = {}
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"bias for token {key} must be a number in [-100, 100], got {bias!r}")
+            out[str(int(key))] = float(bias)
+        return out
+
+    def check(self, vocab_size: int) -> None:
+        """Rules that span fields or need the model; raises InvalidRequest naming the param."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            raise InvalidRequest(
+                f"response_format type {fmt.type!r} is not supported: this server has no constrained decoding; "
+                "use {\"type\": \"text\"} and ask for JSON in the prompt", param="response_format")
+        bad = [k for k in (self.logit_bias or {}) if int(k) >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
+                                 param="logit_bias")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -60,12 +109,70 @@ class ChatRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def choices(self) -> int:
+        return self.n or 1
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def check(self, vocab_size: int, supports_tools: bool = False) -> None:
+        super().check(vocab_size)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+        if self.tools and not supports_tools:
+            raise InvalidRequest("this model's chat template does not support tools; send the request without them",
+                                 param="tools")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto"):
+            why = "requires tools" if not self.tools else "is not supported (no constrained decoding); use 'auto'"
+            raise InvalidRequest(f"tool_choice {choice!r} {why}", param="tool_choice")
+
+    def top_alternatives(self) -> int | None:
+        """Alternatives per token the decode node reports; None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def messages_as_dicts(self) -> list[dict]:
         return [m.model_dump(exclude_none=False) for m in self.messages]
 
 
-_FIELD_NAMES = set(ChatRequest.model_fields) | set(Message.model_fields) | set(TextPart.model_fields)
-_FIELD_NAMES |= set(StreamOptions.model_fields)
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    def check(self, vocab_size: int) -> None:
+        super().check(vocab_size)
+        if self.echo:
+            raise InvalidRequest("echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.choices():
+            raise InvalidRequest("best_of must equal n: this server returns every generation", param="best_of")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest("one prompt per request: send a string, a list of token ids, or a list of one",
+                                     param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if isinstance(prompt, list) and not all(0 <= t < vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        return p[0] if isinstance(p, list) and p and isinstance(p[0], (str, list)) else p
+
+
+_MODELS = (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, ResponseFormat)
+_FIELD_NAMES = {name for m in _MODELS for name in m.model_fields}
 
 
 def _param(loc: tuple) -> str | None:
@@ -88,32 +195,42 @@ def parse_json(raw: bytes) -> Any:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def _parse(model: type[GenerationRequest], body: Any) -> Any:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
-        return ChatRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = _param(tuple(err["loc"]))
         raise InvalidRequest(f"{param or 'body'}: {err['msg']}", param=param) from None
 
 
-def resolve_max_tokens(req: ChatRequest, prompt_tokens: int, max_model_len: int) -> int:
+def parse_chat_request(body: Any) -> ChatRequest:
+    return _parse(ChatRequest, body)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    return _parse(CompletionRequest, body)
+
+
+def resolve_max_tokens(req: GenerationRequest, prompt_tokens: int, max_model_len: int, *,
+                       default: int = DEFAULT_MAX_TOKENS, param: str = "messages") -> int:
     """The generation budget; a request that cannot fit the model's context is refused before any work."""
     requested = req.max_completion_tokens or req.max_tokens
     if requested is None:
         # Without an explicit budget, shrink the default to what fits rather than refuse.
         room = max_model_len - prompt_tokens
         if room >= 1:
-            return min(DEFAULT_MAX_TOKENS, room)
-        requested = DEFAULT_MAX_TOKENS
+            return min(default, room)
+        requested = default
     if prompt_tokens + requested > max_model_len:
+        where = "the messages" if param == "messages" else "the prompt"
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the messages, {requested} in the completion). "
-            "Please reduce the length of the messages or completion.",
-            param="messages",
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in {where}, {requested} in the completion). "
+            f"Please reduce the length of {where} or completion.",
+            param=param,
         )
     return requested
 
@@ -124,57 +241,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def completion_body(cid: str, created: int, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": use,
-    }
-
-
-class ChunkBuilder:
-    """chat.completion.chunk objects for one stream; with include_usage every chunk carries `usage: null`."""
-
-    def __init__(self, cid: str, created: int, model: str, include_usage: bool) -> None:
-        self.cid, self.created, self.model, self.include_usage = cid, created, model, include_usage
-
-    def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
-        out = {
-            "id": self.cid,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if self.include_usage:
-            out["usage"] = use
-        return out
-
-    def delta(self, delta: dict, finish_reason: str | None = None) -> dict:
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
-
-    def role(self) -> dict:
-        return self.delta({"role": "assistant", "content": ""})
-
-    def content(self, text: str) -> dict:
-        return self.delta({"content": text})
-
-    def finish(self, finish_reason: str) -> dict:
-        return self.delta({}, finish_reason)
-
-    def usage(self, use: dict) -> dict:
-        return self._chunk([], use)

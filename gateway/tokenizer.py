@@ -98,8 +98,22 @@ class ChatTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, template_source: str, special_tokens: dict[str, str]) -> None:
         self._tok = tokenizer
+        self.template_source = template_source
         self._template = compile_template(template_source)
         self.special_tokens = dict(special_tokens)
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (a template that never names `tools` drops them)."""
+        return "tools" in self.template_source
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTokenizer":
@@ -115,13 +129,14 @@ class ChatTokenizer:
         special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         return cls(Tokenizer.from_file(str(tok_file)), _template_source(folder, config), special)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **kwargs: Any) -> str:
         """Apply the chat template; a template's raise_exception (e.g. roles must alternate) is a 400."""
         msgs = [{**m, "content": message_text(m.get("content"))} for m in messages]
         params = {**self.special_tokens, **kwargs}
         try:
             return self._template.render(
-                messages=msgs, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **params
+                messages=msgs, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **params
             )
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"chat template rejected the messages: {e}", param="messages") from None
@@ -130,8 +145,12 @@ class ChatTokenizer:
         # The template already wrote every special token, so the tokenizer must not add its own.
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render(messages))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, tools=tools))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw completion prompt: no template, so the tokenizer adds its own special tokens (e.g. BOS)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

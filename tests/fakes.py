@@ -180,7 +180,7 @@ class FakeDecodeNode(FakeNode):
                 return
             # Per-token text is the growth of the decoded prefix, as a real detokenizer streams it.
             text = self.tok.decode(out[: i + 1])[len(self.tok.decode(out[:i])):]
-            await self._write(resp, {"type": "token", "token_id": tid, "text": text})
+            await self._write(resp, {"type": "token", "token_id": tid, "text": text, **fake_logprobs(body, i, tid)})
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
         n = len(body["token_ids"])
@@ -194,6 +194,15 @@ class FakeDecodeNode(FakeNode):
     @staticmethod
     async def _write(resp: web.StreamResponse, obj: dict) -> None:
         await resp.write((json.dumps(obj) + "\n").encode())
+
+
+def fake_logprobs(body: dict, i: int, tid: int) -> dict:
+    """Deterministic logprob fields when the request asked for them: the chosen token first, then tid+1, tid+2..."""
+    k = body.get("logprobs")
+    if k is None:
+        return {}
+    chosen = -0.125 * (i + 1)
+    return {"logprob": chosen, "top_logprobs": [[tid + j, chosen - j] for j in range(k)]}
 
 
 class FakePrefillNode(FakeNode):
@@ -226,7 +235,7 @@ class FakePrefillNode(FakeNode):
 
 
 def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode], *, interval: float = 0.2,
-                  max_model_len: int = 4096, min_disagg_tokens: int = 32) -> Settings:
+                  max_model_len: int = 4096, min_disagg_tokens: int = 32, model_dir: Path = MODEL_DIR) -> Settings:
     """Settings with every section explicit, so no config.toml or DISAGG_* value leaks in."""
     nodes = [{"name": d.name, "role": "decode", "host": "127.0.0.1", "port": d.port, "kv_port": d.kv_port}
              for d in decoders]
@@ -234,7 +243,7 @@ def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode
     return Settings(
         gateway={"host": "127.0.0.1", "port": free_port(), "request_timeout_s": 30.0, "health_interval_s": interval},
         prefill={}, decode={}, kv={}, nodes=nodes,
-        models=[{"id": MODEL_ID, "path": str(MODEL_DIR), "prefill": [p.name for p in prefills],
+        models=[{"id": MODEL_ID, "path": str(model_dir), "prefill": [p.name for p in prefills],
                  "decode": [d.name for d in decoders], "max_model_len": max_model_len,
                  "min_disagg_tokens": min_disagg_tokens}],
     )
@@ -284,9 +293,24 @@ class Cluster:
 
     async def chat(self, body: dict | None = None, raw: bytes | None = None) -> tuple[int, dict, dict]:
         """POST /v1/chat/completions; returns (status, headers, json)."""
+        return await self.post("/v1/chat/completions", body, raw)
+
+    async def post(self, path: str, body: dict | None = None, raw: bytes | None = None) -> tuple[int, dict, dict]:
+        """POST a JSON body (or raw bytes) to the gateway; returns (status, headers, json)."""
         kw = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None else {"json": body}
-        async with self.http.post(f"{self.url}/v1/chat/completions", **kw) as r:
+        async with self.http.post(f"{self.url}{path}", **kw) as r:
             return r.status, dict(r.headers), await r.json(content_type=None)
+
+    async def events(self, path: str, body: dict) -> tuple[int, dict, list]:
+        """POST a streaming request; (status, headers, parsed `data:` events, with "[DONE]" kept as a string)."""
+        async with self.http.post(f"{self.url}{path}", json={**body, "stream": True}) as r:
+            buf = (await r.read()).decode()
+        events = []
+        for block in buf.split("\n\n"):
+            if block.startswith("data: "):
+                data = block[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return r.status, dict(r.headers), events
 
     async def metric(self, name: str, **labels: str) -> float:
         """A sample's value from /metrics (0 when absent)."""

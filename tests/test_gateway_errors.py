@@ -46,7 +46,8 @@ async def test_unknown_model(cluster):
         ({"max_completion_tokens": -3}, "max_completion_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stream": "yes please"}, "stream"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
         ({"seed": "abc"}, "seed"),
     ],
 )

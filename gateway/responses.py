@@ -1,0 +1,201 @@
+"""OpenAI response shapes: `chat.completion` / `chat.completion.chunk` and `text_completion` (whole and streamed).
+
+A renderer turns one request's choices into JSON. Streams: `opening()` once, `token()` per token (None: send
+nothing), `finish()` per choice, `usage_chunk()` last when the client asked for usage. Whole: `body()`.
+Logprobs: a token's `bytes` are its exact UTF-8 bytes (a byte-level BPE token may hold half a character); its
+`token` string is those bytes decoded, or escaped like OpenAI's (`\\xe6\\x97`) when they are not whole characters.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from tokenizers import Tokenizer, decoders
+
+from .orchestrator import Token
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character table, inverted (the ByteLevel pre-tokenizer's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenPieces:
+    """Per-id token strings and bytes for one tokenizer, cached (a vocabulary is small; requests repeat ids)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._compute(token_id)
+        return hit
+
+    def _compute(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self._tok.id_to_token(token_id)
+        table = _byte_decoder()
+        if raw is not None and self._byte_level and all(c in table for c in raw):
+            data = bytes(table[c] for c in raw)
+        else:  # special tokens and non-byte-level vocabularies: the decoder's own text
+            data = self._tok.decode([token_id], skip_special_tokens=False).encode()
+        return data.decode("utf-8", errors="backslashreplace"), list(data)
+
+    def text(self, token_id: int) -> str:
+        return self.piece(token_id)[0]
+
+
+def chat_item(pieces: TokenPieces, tok: Token) -> dict:
+    """One entry of chat `choices[i].logprobs.content`."""
+    text, data = pieces.piece(tok.token_id)
+    top = []
+    for tid, lp in tok.top_logprobs or []:
+        t, b = pieces.piece(tid)
+        top.append({"token": t, "logprob": lp, "bytes": b})
+    return {"token": text, "logprob": tok.logprob, "bytes": data, "top_logprobs": top}
+
+
+class CompletionLogprobs:
+    """The legacy completions `logprobs` object, built token by token; `text_offset` counts from the
+    completion's first character."""
+
+    def __init__(self, pieces: TokenPieces) -> None:
+        self.pieces = pieces
+        self.offset = 0
+
+    def entry(self, tok: Token) -> dict:
+        """The logprobs object for one token (a stream chunk's), advancing the text offset."""
+        text = self.pieces.text(tok.token_id)
+        top = {}
+        for tid, lp in tok.top_logprobs or []:
+            top.setdefault(self.pieces.text(tid), lp)  # two ids can share a string; keep the likelier
+        out = {"tokens": [text], "token_logprobs": [tok.logprob], "top_logprobs": [top], "text_offset": [self.offset]}
+        self.offset += len(text)
+        return out
+
+    def merge(self, toks: list[Token]) -> dict:
+        """The logprobs object for a whole completion."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok in toks:
+            for key, values in self.entry(tok).items():
+                out[key] += values
+        return out
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streamed request."""
+
+    index: int
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens)
+
+
+class _Renderer:
+    object = ""
+    chunk_object = ""
+    prefix = ""
+
+    def __init__(self, model: str, pieces: TokenPieces, include_usage: bool) -> None:
+        self.model, self.pieces, self.include_usage = model, pieces, include_usage
+        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
+
+    def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
+        # With include_usage every chunk carries `usage`: null until the last one.
+        out = {**self._head(self.chunk_object), "choices": choices}
+        if self.include_usage:
+            out["usage"] = use
+        return out
+
+    def usage_chunk(self, use: dict) -> dict:
+        return self._chunk([], use)
+
+    def opening(self, n: int) -> list[dict]:
+        return []
+
+
+class ChatRenderer(_Renderer):
+    object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, model: str, pieces: TokenPieces, include_usage: bool, logprobs: bool) -> None:
+        super().__init__(model, pieces, include_usage)
+        self.logprobs = logprobs
+
+    def _delta(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
+        return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+
+    def opening(self, n: int) -> list[dict]:
+        return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
+
+    def token(self, index: int, tok: Token) -> dict | None:
+        if self.logprobs:  # every token gets its chunk, even one whose text is still held back
+            return self._delta(index, {"content": tok.text}, {"content": [chat_item(self.pieces, tok)]})
+        if not tok.text:  # a token that ends mid-codepoint has no text yet; the next one carries it
+            return None
+        return self._delta(index, {"content": tok.text})
+
+    def finish(self, index: int, reason: str) -> dict:
+        return self._delta(index, {}, None, reason)
+
+    def body(self, results: list[ChoiceResult], use: dict) -> dict:
+        choices = [
+            {
+                "index": r.index,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": {"content": [chat_item(self.pieces, t) for t in r.tokens]} if self.logprobs else None,
+                "finish_reason": r.finish_reason,
+            }
+            for r in results
+        ]
+        return {**self._head(self.object), "choices": choices, "usage": use}
+
+
+class CompletionRenderer(_Renderer):
+    object, chunk_object, prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, model: str, pieces: TokenPieces, include_usage: bool, logprobs: bool) -> None:
+        super().__init__(model, pieces, include_usage)
+        self.logprobs = logprobs
+        self._offsets: dict[int, CompletionLogprobs] = {}
+
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def token(self, index: int, tok: Token) -> dict | None:
+        if self.logprobs:
+            lp = self._offsets.setdefault(index, CompletionLogprobs(self.pieces)).entry(tok)
+            return self._chunk([self._choice(index, tok.text, lp, None)])
+        if not tok.text:
+            return None
+        return self._chunk([self._choice(index, tok.text, None, None)])
+
+    def finish(self, index: int, reason: str) -> dict:
+        return self._chunk([self._choice(index, "", None, reason)])
+
+    def body(self, results: list[ChoiceResult], use: dict) -> dict:
+        choices = [
+            self._choice(r.index, r.text, CompletionLogprobs(self.pieces).merge(r.tokens) if self.logprobs else None,
+                         r.finish_reason)
+            for r in results
+        ]
+        return {**self._head(self.object), "choices": choices, "usage": use}
