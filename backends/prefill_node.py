@@ -25,9 +25,15 @@ def engine_args(settings: Settings, route: ModelRoute):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from kv_bridge.families import vllm_hf_overrides
+
     kv = settings.kv
+    path = resolve_model_path(route)
     return AsyncEngineArgs(
-        model=str(resolve_model_path(route)),
+        model=str(path),
+        hf_overrides=vllm_hf_overrides(path),  # e.g. gpt-oss yarn: compute the rope mlx-lm computes
+        # sliding-window layers keep every token, so the bridge can rebuild mlx-lm's rotating caches exactly
+        disable_hybrid_kv_cache_manager=True,
         served_model_name=[route.id],
         dtype=settings.prefill.dtype,
         kv_cache_dtype=settings.prefill.kv_cache_dtype,

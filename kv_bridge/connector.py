@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kv_bridge import wire
 from kv_bridge.extract import Extractor, wire_dtype_for
+from kv_bridge.families import check_vllm_hf_config
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.layouts import layout_for
 from kv_bridge.sender import KVSender
@@ -84,6 +85,7 @@ class DisaggConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg, mc = self._vllm_config, self._vllm_config.model_config
+        check_vllm_hf_config(mc.model, mc.hf_config.to_dict())  # the engine must compute the KV mlx-lm would
         first_name, first = next(iter(kv_caches.items()))
         ctx = cfg.compilation_config.static_forward_context
         backend = ctx[first_name].attn_backend.get_name()

@@ -10,8 +10,11 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+# rope_* and layer_types/sliding_window decide how keys are rotated and which layers slide (gpt_oss);
+# quantization is left out on purpose: an MXFP4 checkpoint and its dequantized twin compute the same KV.
 _FIELDS = ("model_type", "num_hidden_layers", "num_key_value_heads", "num_attention_heads", "head_dim",
-           "hidden_size", "rope_theta", "rope_scaling", "sliding_window", "vocab_size")
+           "hidden_size", "rope_theta", "rope_scaling", "rope_parameters", "sliding_window", "layer_types",
+           "vocab_size")
 
 
 def model_geometry(folder: str | Path) -> dict:

@@ -1,33 +1,94 @@
 """Builds mlx-lm prompt caches from received KV (the only mlx code outside backends/).
 
-wire/ReceivedKV (L, H, T, D) per K and V -> per layer mlx-lm KVCache holding (1, H, T, D), offset T.
+wire/ReceivedKV (L, H, T, D) per K and V, every layer covering prompt tokens [0, T) ->
+  full-attention layer:   KVCache holding (1, H, T, D), offset T
+  sliding layer (window W, keep k): RotatingKVCache(max_size=W, keep=k) holding the first k and the last
+                          W - k tokens in temporal order (all T if T <= W), offset T, _idx = tokens held.
+The cache class and its max_size/keep come from mlx-lm itself (model.make_cache / make_prompt_cache) and are
+cross-checked against the model family (kv_bridge/families/), which says how vLLM ran each layer.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from kv_bridge.families import LayerSpec, family_for
+
+
+def model_config(model) -> dict:
+    """The mlx-lm model's config (its ModelArgs) as a dict, with model_type."""
+    cfg = dict(vars(model.args)) if hasattr(model, "args") else {}
+    cfg.setdefault("model_type", getattr(model, "model_type", None))
+    cfg.setdefault("num_hidden_layers", len(model.layers))
+    return cfg
+
+
+def layer_specs(model) -> list[LayerSpec]:
+    """How each layer of `model` attends, per its family; refuses unknown families and divergent configs."""
+    cfg = model_config(model)
+    family = family_for(cfg["model_type"])
+    family.check_config(cfg)
+    return family.layer_specs(cfg)
+
+
+def held_tokens(kv: np.ndarray, max_size: int, keep: int = 0) -> np.ndarray:
+    """(H, T, D) -> what a RotatingKVCache(max_size, keep) holds once trimmed: first keep, last max_size - keep."""
+    t = kv.shape[1]
+    if t <= max_size:
+        return kv
+    return np.concatenate([kv[:, :keep], kv[:, t - (max_size - keep):]], axis=1)
+
+
+def rotating_cache(k: mx.array, v: mx.array, offset: int, max_size: int, keep: int = 0) -> RotatingKVCache:
+    """RotatingKVCache after a prefill of `offset` tokens, holding k, v (1, H, held, D) = held_tokens(...).
+
+    mlx-lm's one-shot prefill keeps all tokens and trims to the held ones at the next update; holding just those
+    from the start (buffer in temporal order, _idx = its length) makes every later update_and_fetch (one token
+    or many) leave the same buffer, _idx and offset as mlx-lm's own cache would.
+    """
+    if k.shape[2] != min(offset, max_size):
+        raise ValueError(f"a RotatingKVCache(max_size={max_size}) after {offset} tokens holds "
+                         f"{min(offset, max_size)}, got {k.shape[2]}")
+    return RotatingKVCache.from_state((k, v, offset, keep, max_size, k.shape[2]))
+
+
+def _mx(a: np.ndarray, dtype: mx.Dtype | None) -> mx.array:
+    x = mx.array(a)[None]
+    return x if dtype is None else x.astype(dtype)
 
 
 def build_prompt_cache(model, keys: np.ndarray, values: np.ndarray, dtype: mx.Dtype | None = None) -> list:
-    """One cache per layer of `model`, as make_prompt_cache would make them, filled with the given KV."""
+    """One cache per layer of `model`, of the class mlx-lm makes for it, filled with the given (L, H, T, D) KV."""
+    specs = layer_specs(model)
     template = make_prompt_cache(model)
-    if len(template) != keys.shape[0]:
+    if not (len(template) == len(specs) == keys.shape[0] == values.shape[0]):
         raise ValueError(f"received KV for {keys.shape[0]} layers, the model has {len(template)}")
+    t = keys.shape[2]
     caches = []
-    for i, c in enumerate(template):
-        if type(c) is not KVCache:
-            raise ValueError(f"layer {i} uses {type(c).__name__}; the bridge builds KVCache only for now")
-        k, v = mx.array(keys[i])[None], mx.array(values[i])[None]
-        if dtype is not None:
-            k, v = k.astype(dtype), v.astype(dtype)
-        caches.append(KVCache.from_state((k, v, k.shape[2])))
+    for i, (c, spec) in enumerate(zip(template, specs)):
+        if type(c) is KVCache and spec.window is None:
+            caches.append(KVCache.from_state((_mx(keys[i], dtype), _mx(values[i], dtype), t)))
+        elif type(c) is RotatingKVCache and spec.window == c.max_size and spec.keep == c.keep:
+            k, v = (_mx(held_tokens(a[i], c.max_size, c.keep), dtype) for a in (keys, values))
+            caches.append(rotating_cache(k, v, t, c.max_size, c.keep))
+        else:
+            have = type(c).__name__ + (f"(max_size={c.max_size}, keep={c.keep})" if hasattr(c, "max_size") else "")
+            raise ValueError(f"layer {i}: mlx-lm makes {have}, but the model family says vLLM ran it with "
+                             f"window={spec.window}, keep={spec.keep}; the bridge cannot carry this KV")
     return caches
 
 
 def cache_kv(cache: list, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(L, H, T, D) numpy K and V of the first `num_tokens` positions of an mlx-lm KVCache list."""
+    """(L, H, T, D) numpy K and V of the first `num_tokens` positions of an mlx-lm cache list.
+
+    Every layer must hold positions [0, num_tokens) in order: KVCache, or a RotatingKVCache straight after a
+    one-shot prefill (mlx-lm trims it only at the next update).
+    """
+    for i, c in enumerate(cache):
+        if isinstance(c, RotatingKVCache) and not (c._idx == c.keys.shape[2] == c.offset >= num_tokens):
+            raise ValueError(f"layer {i}: RotatingKVCache no longer holds positions [0, {num_tokens})")
     ks = [np.array(c.keys[0, :, :num_tokens].astype(mx.float32)) for c in cache]
     vs = [np.array(c.values[0, :, :num_tokens].astype(mx.float32)) for c in cache]
     return np.stack(ks), np.stack(vs)
