@@ -1,14 +1,16 @@
-"""What both node services share: the error tree and its JSON translation, /health, and start-up."""
+"""What both node services share: the error tree and its JSON translation, node auth, /health, and start-up."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kv_bridge.config import NodeConfig
+from kv_bridge.config import NodeConfig, Settings
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,32 @@ async def error_middleware(request: web.Request, handler):
         return error_response(500, f"{type(e).__name__}: {e}")
 
 
+def node_token(settings: Settings, node: NodeConfig) -> str | None:
+    """The Bearer token this node demands (None: open). Raises ConfigError for a node reachable from other hosts
+    without a node secret (unless auth.insecure_nodes), or for an unreadable secret file."""
+    settings.auth.check_node_exposure(node)
+    return settings.auth.node_token()
+
+
+def auth_middleware(token: str):
+    """Every route, /health included, needs `Authorization: Bearer <token>`: the gateway sends it on every call."""
+    want = hashlib.sha256(token.encode()).digest()
+
+    @web.middleware
+    async def node_auth(request: web.Request, handler):
+        scheme, _, got = request.headers.get("Authorization", "").partition(" ")
+        # compare digests: equal lengths, constant time, whatever the caller sent
+        got_digest = hashlib.sha256(got.strip().encode(errors="replace")).digest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(got_digest, want):
+            resp = error_response(401, "this node needs the gateway's node credential: set the same auth.node_secret "
+                                  "on the gateway and every node", "unauthorized")
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="disagg-node"'
+            return resp
+        return await handler(request)
+
+    return node_auth
+
+
 async def json_body(request: web.Request) -> dict:
     try:
         body = await request.json()
@@ -55,8 +83,10 @@ async def json_body(request: web.Request) -> dict:
 
 
 def node_app(health: Callable[[], dict], on_start: Callable[[web.Application], Awaitable[None]],
-             on_stop: Callable[[web.Application], Awaitable[None]]) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
+             on_stop: Callable[[web.Application], Awaitable[None]], token: str | None = None) -> web.Application:
+    """The node's aiohttp app; with `token` (node_token) every route refuses callers without it (401)."""
+    middlewares = [error_middleware] if token is None else [auth_middleware(token), error_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=64 << 20)
 
     async def health_handler(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **health()})

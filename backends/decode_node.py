@@ -17,20 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from backends.common import NodeError, bad_request, json_body, node_app, run_app
+from backends.common import NodeError, bad_request, json_body, node_app, node_token, run_app
 from backends.sampling import GenParams, StopMatcher, make_sampling, token_logprobs
 from kv_bridge.config import NodeConfig, Settings, resolve_model_path
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
+_STOP_WAIT_S = 60.0  # longest wait for a cancelled generation's MLX step (or local prefill) to finish
 
 
 class MLXModel:
     """The model, its tokenizer and the one thread that may touch them."""
 
-    def __init__(self, model_id: str, path: str):
+    def __init__(self, model_id: str, path: str, kv_bits: int | None = None, kv_group_size: int = 64):
         self.model_id, self.path = model_id, path
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
         self.model = self.tokenizer = None
         self.spec = kv_spec(path)
@@ -45,6 +47,12 @@ class MLXModel:
         # The logits width: what logit_bias ids and top_k are checked against.
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
+        if self.kv_bits is not None:  # refuse at start-up what quantization cannot do for this model
+            from mlx_lm.models.cache import make_prompt_cache
+
+            from kv_bridge.mlx_cache import quantize
+
+            quantize(make_prompt_cache(self.model), self.kv_bits, self.kv_group_size)
 
     def generate(self, ids: list[int], kv, gen: GenParams, emit, cancel: threading.Event) -> None:
         """Runs on the MLX thread: emit(("token", line, finish_reason)) for each sampled token, then emit(None)."""
@@ -52,12 +60,13 @@ class MLXModel:
         from mlx_lm import stream_generate
         from mlx_lm.models.cache import make_prompt_cache
 
-        from kv_bridge.mlx_cache import build_prompt_cache
+        from kv_bridge.mlx_cache import build_prompt_cache, quantize
 
         try:
             start = 0
             if kv is not None:
                 cache = build_prompt_cache(self.model, kv.keys, kv.values, self.dtype)
+                quantize(cache, self.kv_bits, self.kv_group_size)  # as mlx-lm does after its own prefill
                 start = kv.keys.shape[2]
             else:
                 cache = make_prompt_cache(self.model)
@@ -66,7 +75,8 @@ class MLXModel:
             sampler, processors = make_sampling(gen, ids[:start], self.vocab_size)
             lead = _LeadingSpace(self.tokenizer)
             for r in stream_generate(self.model, self.tokenizer, mx.array(ids[start:]), max_tokens=gen.max_tokens,
-                                     sampler=sampler, logits_processors=processors, prompt_cache=cache):
+                                     sampler=sampler, logits_processors=processors, prompt_cache=cache,
+                                     **self._kv_quant()):
                 emit(("token", {**_token_line(r, gen), "text": lead.fix(r.token, r.text)}, r.finish_reason))
                 if cancel.is_set():
                     break
@@ -75,6 +85,12 @@ class MLXModel:
             emit(("error", f"{type(e).__name__}: {e}"))
         finally:
             emit(None)
+
+
+    def _kv_quant(self) -> dict:
+        if self.kv_bits is None:
+            return {}
+        return {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size, "quantized_kv_start": 0}
 
 
 class _LeadingSpace:
@@ -106,10 +122,12 @@ def _token_line(r, gen: GenParams) -> dict:
 class DecodeService:
     def __init__(self, settings: Settings, node: NodeConfig):
         self.settings, self.node = settings, node
-        self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m))) for m in settings.models if node.name in m.decode}
+        d = settings.decode
+        self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m)), d.kv_bits, d.kv_group_size)
+                       for m in settings.models if node.name in m.decode}
         if not self.models:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
-        self.receiver = KVReceiver(settings.kv)
+        self.receiver = KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac)
         self.running = 0
 
     async def start(self, app: web.Application) -> None:
@@ -209,6 +227,12 @@ class DecodeService:
                     break
         finally:
             cancel.set()  # a client that left stops the MLX loop at its next token
+            if not fut.done():
+                # Until the MLX thread has left its loop it still holds this request's KV cache: keep it counted in
+                # `running` until then (one decode step, or the rest of a local prefill).
+                await asyncio.wait({fut}, timeout=_STOP_WAIT_S)
+                if not fut.done():
+                    log.warning("generation still running %.0fs after it was cancelled", _STOP_WAIT_S)
         await fut
         await _line(resp, {"type": "done", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
                            "computed_tokens": len(ids) - done["kv_tokens"], "ttft_s": ttft or 0.0, **done})
@@ -221,7 +245,7 @@ async def _line(resp: web.StreamResponse, obj: dict) -> None:
 def serve(settings: Settings, node: NodeConfig) -> None:
     """Blocking: run the decode node described by `node` until SIGINT/SIGTERM."""
     svc = DecodeService(settings, node)
-    app = node_app(svc.health, svc.start, svc.stop)
+    app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node))
     app.router.add_post("/v1/generate", svc.generate)
 
     async def abort(request: web.Request) -> web.Response:

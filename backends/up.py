@@ -36,6 +36,7 @@ class Child:
     log: Path = Path()
     proc: subprocess.Popen | None = None
     ready: bool = False
+    headers: dict[str, str] = field(default_factory=dict)  # credentials its /health wants (docs/security.md)
 
     @property
     def health_url(self) -> str:
@@ -105,10 +106,14 @@ def plan(settings: Settings) -> list[Child]:
             print(f"disagg up: skipping {node.name} on {node.host} (run `disagg {node.role} --node {node.name}` there)")
             continue
         ports = [node.port] + ([node.kv_port] if node.kv_port else [])
-        children.append(Child(node.name, node.role, node.host, node.port, ports))
+        token = settings.auth.node_token()
+        children.append(Child(node.name, node.role, node.host, node.port, ports,
+                              headers={"Authorization": f"Bearer {token}"} if token else {}))
     gw = settings.gateway
     if _is_local(gw.host):
-        children.append(Child("gateway", "gateway", gw.host, gw.port, [gw.port]))
+        keys = settings.auth.client_keys() if settings.auth.protect_health else []
+        children.append(Child("gateway", "gateway", gw.host, gw.port, [gw.port],
+                              headers={"Authorization": f"Bearer {keys[0]}"} if keys else {}))
     if not children:
         raise ConfigError("no role in the config runs on this machine: set a node's or [gateway] host to a local "
                           "address (127.0.0.1), or run `disagg <role>` on the machines named there")
@@ -175,7 +180,7 @@ def _wait_ready(children: list[Child], stopper: Stopper, timeout_s: float) -> in
             if c.proc.poll() is not None:
                 _report_exit(c)
                 return 1
-            if not c.ready and _healthy(c.health_url):
+            if not c.ready and _healthy(c.health_url, c.headers):
                 c.ready = True
                 print(f"disagg up: {c.name} ready after {time.monotonic() - t0:.0f}s", flush=True)
         now = time.monotonic()
@@ -271,9 +276,9 @@ def _print_ready(settings: Settings, children: list[Child]) -> None:
     print(f"  logs in {gw.log.parent}; Ctrl-C stops everything.", flush=True)
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, headers: dict[str, str] | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2.0) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False

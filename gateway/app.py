@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_bridge.config import Settings, resolve_model_path
 
-from . import ollama
+from . import auth, ollama
 from .chat import STATE, GatewayState, chat_completions
 from .completions import completions
 from .errors import APIError
@@ -32,7 +32,7 @@ MAX_BODY_BYTES = 32 << 20  # long prompts are large JSON; aiohttp's 1 MiB defaul
 
 
 def _error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+    return web.json_response(err.body(), status=err.status, headers=err.headers or None)
 
 
 def _from_http_exception(e: web.HTTPException, request: web.Request) -> APIError:
@@ -103,7 +103,8 @@ async def metrics(request: web.Request) -> web.Response:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """One shared client session and the health poller live exactly as long as the app."""
     st = app[STATE]
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    # The node credential rides on every call, health checks included.
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=app[auth.NODE_HEADERS])
     st.orchestrator = Orchestrator(st.settings, session, st.pool)
     # One round before serving, so the first request does not see every node as down.
     await st.pool.poll_once(session)
@@ -119,12 +120,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(settings: Settings) -> web.Application:
-    """Build the gateway app for `settings`; raises kv_bridge.config.ConfigError for a bad model folder."""
+    """Build the gateway app for `settings`; raises kv_bridge.config.ConfigError for a bad model folder or an
+    unreadable auth file."""
     tokenizers = {m.id: ChatTokenizer.from_folder(resolve_model_path(m)) for m in settings.models}
     m = Metrics()
     state = GatewayState(settings, tokenizers, m, NodePool(settings.nodes, m, settings.gateway.health_interval_s))
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    client_auth = auth.client_auth(settings.auth)  # outermost: a caller without a key reaches nothing else
+    auth.warn_exposure(settings, has_keys=client_auth is not None)
+    middlewares = [openai_errors] if client_auth is None else [client_auth, openai_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    app[auth.NODE_HEADERS] = auth.node_headers(settings.auth)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

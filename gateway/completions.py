@@ -8,6 +8,7 @@ import asyncio
 
 from aiohttp import web
 
+from . import upstream
 from .metrics import RequestRecord
 from .responses import CompletionRenderer
 from .schemas import DEFAULT_COMPLETION_MAX_TOKENS, parse_completion_request, resolve_max_tokens
@@ -23,6 +24,7 @@ async def _completions(request: web.Request, st: GatewayState, rec: RequestRecor
     prompt = req.single_prompt()
     if isinstance(prompt, str):
         ids = await asyncio.get_running_loop().run_in_executor(None, tok.encode_prompt, prompt)
+        upstream.set_text(prompt)  # token-id prompts cannot go upstream: another model has another vocabulary
     else:
         ids = list(prompt)
     max_tokens = resolve_max_tokens(req, len(ids), route.max_model_len, default=DEFAULT_COMPLETION_MAX_TOKENS,

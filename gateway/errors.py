@@ -21,10 +21,12 @@ class APIError(Exception):
         code: str | None = None,
         status: int | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers = dict(headers or {})  # extra response headers, e.g. Retry-After
         if code is not None:
             self.code = code
         if status is not None:
@@ -59,6 +61,17 @@ class NoHealthyNode(APIError):
     status = 503
     type = "server_error"
     code = "no_healthy_node"
+
+
+class RateLimited(APIError):
+    """The model (or every node that could serve it) is at its in-flight limit; `Retry-After` says when to retry."""
+
+    status = 429
+    type = "requests"  # OpenAI's type for request-count rate limits
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
 class UpstreamError(APIError):

@@ -1,6 +1,7 @@
 """Prometheus metrics for the gateway, one CollectorRegistry per app (so tests and apps never share counters).
 
-Labels stay bounded: model ids from config.toml, the three paths, a status word, node names. Never request ids.
+Labels stay bounded: model ids from config.toml, the four paths, a status word, node names, fallback reasons.
+Never request ids.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # LLM latencies run from a few ms (one decode step) to a minute (a long prompt on a busy node).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+# Why a request left its first-choice path; the only values disagg_fallbacks_total{reason} takes.
+FALLBACK_REASONS = ("decode_node_failed", "prefill_node_failed", "kv_timeout", "kv_error", "kv_aborted", "upstream",
+                    "no_capacity")
+AFFINITY_OUTCOMES = ("hit", "miss", "skipped")  # skipped: the remembered node was down, full or too busy
 
 UNKNOWN_MODEL = "unknown"  # label for requests that never named a configured model
 NO_PATH = "none"  # label for requests that failed before a node was chosen
@@ -48,6 +54,27 @@ class Metrics:
         self.generation_tokens = Counter("disagg_generation_tokens", "Tokens generated", ["model"], registry=r)
         self.running = Gauge("disagg_requests_running", "Requests generating now", ["model"], registry=r)
         self.node_up = Gauge("disagg_node_up", "1 when the node's /health answers ok", ["node", "role"], registry=r)
+        self.fallbacks = Counter(
+            "disagg_fallbacks", "Fallback steps taken, by reason: another node, decode-local prefill, the upstream, "
+            "or no capacity (429/503)", ["model", "reason"], registry=r,
+        )
+        self.affinity = Counter(
+            "disagg_prefix_affinity", "Decode-node choices for prompts with a remembered prefix (hit, skipped) or "
+            "without one (miss)", ["model", "outcome"], registry=r,
+        )
+
+    def declare(self, model_ids) -> None:
+        """Create every bounded label combination at 0, so rate() works before the first fallback."""
+        for model in model_ids:
+            for reason in FALLBACK_REASONS:
+                self.fallbacks.labels(model, reason)
+            for outcome in AFFINITY_OUTCOMES:
+                self.affinity.labels(model, outcome)
+
+    def fallback(self, model: str, reason: str) -> None:
+        if reason not in FALLBACK_REASONS:  # a node's unknown fallback_reason must not grow the label set
+            reason = "kv_error"
+        self.fallbacks.labels(model, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

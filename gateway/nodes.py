@@ -1,9 +1,14 @@
-"""Node registry: up/down state from polling each node's GET /health, in-flight counts, and node choice."""
+"""Node registry: up/down state from polling each node's GET /health, in-flight counts, node choice (least
+loaded, or the node that served a conversation's earlier turn), and the bounded prefix -> node memory behind it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -35,8 +40,15 @@ class NodeState:
     def url(self) -> str:
         return self.config.url
 
+    @property
+    def full(self) -> bool:
+        limit = self.config.max_inflight
+        return limit is not None and self.inflight >= limit
+
     def snapshot(self) -> dict:
         out = {"name": self.name, "role": self.role, "up": self.up, "inflight": self.inflight}
+        if self.config.max_inflight is not None:
+            out["max_inflight"] = self.config.max_inflight
         if not self.up:
             out["reason"] = self.reason
         return out
@@ -45,7 +57,7 @@ class NodeState:
 class NodePool:
     def __init__(self, nodes: Iterable[NodeConfig], metrics: Metrics, health_interval_s: float) -> None:
         self.nodes = {n.name: NodeState(n) for n in nodes}
-        self._metrics = metrics
+        self.metrics = metrics
         self.interval = health_interval_s
         # Short enough that one hung node cannot stall the poll loop for long; local nodes answer in ms.
         self.timeout = max(0.5, min(2.0, health_interval_s))
@@ -60,16 +72,27 @@ class NodePool:
                 log.warning("node %s (%s) is down: %s", node.name, node.role, reason)
         node.up = up
         node.reason = None if up else reason
-        self._metrics.node_up.labels(node.name, node.role).set(1 if up else 0)
+        self.metrics.node_up.labels(node.name, node.role).set(1 if up else 0)
 
     def healthy(self, names: Iterable[str]) -> list[NodeState]:
         return [self.nodes[n] for n in names if n in self.nodes and self.nodes[n].up]
 
-    def pick(self, names: list[str], exclude: Iterable[str] = ()) -> NodeState | None:
-        """The healthy node with the fewest requests in flight; ties go to the earlier one in the route's list."""
+    def available(self, names: Iterable[str], exclude: Iterable[str] = ()) -> list[NodeState]:
+        """Healthy nodes below their in-flight limit, minus `exclude`, in the route's order."""
         skip = set(exclude)
-        candidates = [n for n in self.healthy(names) if n.name not in skip]
-        return min(candidates, key=lambda n: n.inflight, default=None)
+        return [n for n in self.healthy(names) if n.name not in skip and not n.full]
+
+    def pick(self, names: list[str], exclude: Iterable[str] = (), prefer: str | None = None,
+             slack: int = 0) -> NodeState | None:
+        """The available node with the fewest requests in flight (ties: the earlier in the route's list); `prefer`
+        instead while it is available and has at most `slack` more in flight than that one."""
+        candidates = self.available(names, exclude)
+        best = min(candidates, key=lambda n: n.inflight, default=None)
+        if best is not None and prefer is not None:
+            favourite = next((n for n in candidates if n.name == prefer), None)
+            if favourite is not None and favourite.inflight <= best.inflight + slack:
+                return favourite
+        return best
 
     def serving(self, routes: Iterable[ModelRoute]) -> bool:
         return all(self.healthy(r.decode) for r in routes)
@@ -104,3 +127,49 @@ class NodePool:
                 await self.poll_once(session)
             except Exception:  # a bug here must not silently stop health tracking
                 log.exception("health poll failed")
+
+
+class PrefixAffinity:
+    """Which decode node served a prompt prefix, so a conversation's next turn (whose prompt starts with the earlier
+    turn's prompt) goes back to it. Keys chain-hash the prompt at multiples of `block` tokens (the model id seeds the
+    chain); each finished request stores its longest such prefix; lookups take the longest remembered prefix of a
+    new prompt. Bounded LRU: `capacity` entries, about one per conversation."""
+
+    def __init__(self, capacity: int, block: int) -> None:
+        self.capacity, self.block = capacity, block
+        self._nodes: OrderedDict[bytes, str] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def hashes(self, model_id: str, prompt: list[int]) -> list[bytes]:
+        """hashes[i] identifies prompt[:(i + 1) * block]; only whole blocks count."""
+        if not self.enabled:
+            return []
+        out, h = [], hashlib.blake2b(model_id.encode(), digest_size=16).digest()
+        for start in range(0, len(prompt) - self.block + 1, self.block):
+            block = array("I", prompt[start:start + self.block]).tobytes()  # token ids are < 2**32
+            h = hashlib.blake2b(h + block, digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def lookup(self, hashes: list[bytes]) -> tuple[str, int] | None:
+        """(node name, prefix tokens) for the longest remembered prefix, or None."""
+        for i in range(len(hashes) - 1, -1, -1):
+            node = self._nodes.get(hashes[i])
+            if node is not None:
+                self._nodes.move_to_end(hashes[i])
+                return node, (i + 1) * self.block
+        return None
+
+    def remember(self, hashes: list[bytes], node: str) -> None:
+        if not hashes or not self.enabled:
+            return
+        self._nodes[hashes[-1]] = node
+        self._nodes.move_to_end(hashes[-1])
+        while len(self._nodes) > self.capacity:
+            self._nodes.popitem(last=False)

@@ -150,8 +150,8 @@ def _is_ollama(path: str) -> bool:
     return path == "/" or path == "/api" or path.startswith("/api/")
 
 
-def _error(message: str, status: int) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
 
 
 @web.middleware
@@ -162,7 +162,7 @@ async def ollama_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
-        return _error(e.message, 500 if e.status == 502 else e.status)  # Ollama reports node failures as 500
+        return _error(e.message, 500 if e.status == 502 else e.status, e.headers)  # Ollama: node failures are 500
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -298,7 +298,8 @@ async def _complete(request: web.Request, job: Job, gen, rec: RequestRecord, clo
         rec.token()
         clock.token()
         parts.append(tok.text)
-        ids.append(tok.token_id)
+        if tok.token_id >= 0:  # upstream tokens (-1) are not ours; they cannot go into `context`
+            ids.append(tok.token_id)
         if request.transport is None or request.transport.is_closing():
             # Nobody will read the answer: stop, and closing the decode stream stops the node too.
             raise ClientDisconnected("client closed the connection")
@@ -343,7 +344,8 @@ async def _relay(resp: web.StreamResponse, job: Job, gen, rec: RequestRecord, cl
         async for tok in gen.tokens():
             rec.token()
             clock.token()
-            ids.append(tok.token_id)
+            if tok.token_id >= 0:  # upstream tokens (-1) are not ours; they cannot go into `context`
+                ids.append(tok.token_id)
             if tok.text:  # a token that ends mid-codepoint has no text yet; the next one carries it
                 await resp.write(_ndjson(chunk(job, tok.text)))
         clock.t_end = time.monotonic()

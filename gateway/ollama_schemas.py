@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kv_bridge.config import ModelRoute
 
+from . import upstream
 from .chat import GatewayState
 from .errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from .orchestrator import Done, Sampling
@@ -245,11 +246,14 @@ async def parse_generate(request: web.Request, st: GatewayState, vocab_sizes: di
     tok = st.tokenizers[route.id]
     if body.raw:
         job.prompt = await _encode(tok.encode, body.prompt or "")
+        upstream.set_text(body.prompt or "")
     else:
         msgs = [{"role": "system", "content": body.system}] if body.system else []
         msgs.append({"role": "user", "content": body.prompt or ""})
         history = _check_context(body.context or [], vocab_sizes.get(route.id))
         job.prompt = history + await _encode(tok.encode_chat, msgs)
+        if not history:  # `context` is our token ids, which an upstream model cannot read
+            upstream.set_chat(msgs)
     job.sampling = build_sampling(body.options, len(job.prompt), route)
     return job
 
@@ -274,6 +278,7 @@ async def parse_chat(request: web.Request, st: GatewayState) -> Job:
         return job
     msgs = [{"role": m.role, "content": m.content or ""} for m in body.messages]
     job.prompt = await _encode(st.tokenizers[route.id].encode_chat, msgs)
+    upstream.set_chat(msgs)
     job.sampling = build_sampling(body.options, len(job.prompt), route)
     return job
 

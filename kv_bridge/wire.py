@@ -4,11 +4,17 @@ Frame:  type u8 | body_len u32 | body | crc32(body) u32     (all little-endian; 
 Stream: HEADER ->(receiver answers ACK or ERROR)-> KV* -> DONE   (or ERROR from the sender at any point)
 KV body: layer u32 | token_start u32 | token_count u32 | k_scale f32 | v_scale f32 | K (H, count, D) | V (H, count, D)
          in the HEADER's wire dtype (kv_bridge/dtypes.py); scales are 1.0 except for fp8.
+Auth (when nodes share a secret): the HEADER's `auth` is an HMAC of its fields; with `frame_mac`, every later
+sender frame is followed by a 32-byte tag chained from it (FrameMac).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import json
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -24,6 +30,8 @@ PREFIX = struct.Struct("<BI")
 KV_PREFIX = struct.Struct("<IIIff")
 CRC = struct.Struct("<I")
 MAX_JSON_BYTES = 64 << 10
+TAG_BYTES = 32  # HMAC-SHA256
+_HEX_TAG = re.compile(f"[0-9a-f]{{{2 * TAG_BYTES}}}")
 
 
 class WireError(ValueError):
@@ -43,16 +51,29 @@ class StreamHeader:
     start: int  # first token position the KV covers
     num_tokens: int
     version: int = VERSION
+    auth: str | None = None  # hex HMAC-SHA256 over the fields above and frame_mac (sign_header); None: open
+    frame_mac: bool = False  # every later sender frame carries a chained tag
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        if self.auth is None:  # an open stream's header is byte-for-byte what it was before auth existed
+            del out["auth"], out["frame_mac"]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> "StreamHeader":
+        optional = {"auth", "frame_mac"}
         try:
-            hdr = cls(**{k: obj[k] for k in cls.__dataclass_fields__})
+            hdr = cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k not in optional or k in obj})
         except (KeyError, TypeError) as e:
             raise WireError(f"bad stream header: {e}") from None
+        for name in ("transfer_id", "fingerprint", "dtype"):
+            if not isinstance(getattr(hdr, name), str):
+                raise WireError(f"bad stream header field {name}: expected a string")
+        if hdr.auth is not None and not (isinstance(hdr.auth, str) and _HEX_TAG.fullmatch(hdr.auth)):
+            raise WireError("bad stream header field auth: expected 64 lowercase hex digits")
+        if not isinstance(hdr.frame_mac, bool) or (hdr.frame_mac and hdr.auth is None):
+            raise WireError("bad stream header field frame_mac: a bool, true only with auth")
         if hdr.version != VERSION:
             raise WireError(f"wire version {hdr.version} not supported (this side speaks {VERSION})")
         if hdr.dtype not in dtypes.STORAGE:
@@ -65,6 +86,49 @@ class StreamHeader:
     def kv_bytes(self, count: int, itemsize: int | None = None) -> int:
         """Payload bytes of one KV frame of `count` tokens (K and V), in the wire dtype unless told otherwise."""
         return 2 * self.num_kv_heads * count * self.head_dim * (itemsize or dtypes.itemsize(self.dtype))
+
+
+def _auth_message(hdr: StreamHeader) -> bytes:
+    fields = [hdr.version, hdr.transfer_id, hdr.fingerprint, hdr.num_layers, hdr.num_kv_heads, hdr.head_dim,
+              hdr.dtype, hdr.start, hdr.num_tokens, hdr.frame_mac]
+    return b"disagg kv header\0" + json.dumps(fields, separators=(",", ":")).encode()  # JSON: unambiguous
+
+
+def sign_header(hdr: StreamHeader, key: bytes, frame_mac: bool = True) -> StreamHeader:
+    """The header with its authenticator: HMAC-SHA256(key, every field) in hex."""
+    signed = dataclasses.replace(hdr, frame_mac=frame_mac, auth=None)
+    return dataclasses.replace(signed, auth=hmac.new(key, _auth_message(signed), hashlib.sha256).hexdigest())
+
+
+def header_auth_ok(hdr: StreamHeader, key: bytes) -> bool:
+    want = hmac.new(key, _auth_message(hdr), hashlib.sha256).hexdigest()
+    return hdr.auth is not None and hmac.compare_digest(want, hdr.auth)
+
+
+class FrameMac:
+    """Chained per-frame tags: tag_i = HMAC-SHA256(key, tag_{i-1} | type u8 | body_len u32 | body), tag_0 = the
+    header's auth. The chain binds each frame to its stream and position: none can be dropped, reordered,
+    replayed from another stream or spliced in, even by someone on the path."""
+
+    def __init__(self, key: bytes, header_auth: str):
+        self._key = key
+        self._prev = bytes.fromhex(header_auth)
+
+    def _next(self, prefix: bytes, body) -> bytes:
+        h = hmac.new(self._key, self._prev, hashlib.sha256)
+        h.update(prefix)
+        for b in body:
+            h.update(b)
+        self._prev = h.digest()
+        return self._prev
+
+    def seal(self, parts: list) -> list:
+        """frame_parts(...) output plus its tag, to be written in order."""
+        return [*parts, self._next(parts[0], parts[1:-1])]
+
+    def check(self, ftype: int, body: bytes | memoryview, tag: bytes) -> None:
+        if not hmac.compare_digest(self._next(PREFIX.pack(ftype, len(body)), (body,)), tag):
+            raise WireError("frame authentication failed (tag mismatch): the stream was altered or forged")
 
 
 def frame_parts(ftype: int, *body: bytes | memoryview) -> list[bytes | memoryview]:

@@ -87,7 +87,8 @@ class _Transfer:
 
 
 class FakeDecodeNode(FakeNode):
-    """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP)."""
+    """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
+    "http_500" (answer 500 before any stream starts)."""
 
     role = "decode"
 
@@ -102,6 +103,7 @@ class FakeDecodeNode(FakeNode):
         self.requests: list[dict] = []
         self.aborts: list[str] = []
         self.disconnects: list[str] = []
+        self.running = 0
         self._transfers: dict[str, _Transfer] = {}
 
     def routes(self, app: web.Application) -> None:
@@ -134,6 +136,8 @@ class FakeDecodeNode(FakeNode):
         self.requests.append(body)
         if self.down:
             return _error(503, "loading")
+        if self.mode == "http_500":
+            return _error(500, "fake decode failure before the stream")
         if body.get("model") != self.model_id:
             return _error(400, f"unknown model {body.get('model')!r}")
         ids = body.get("token_ids")
@@ -144,6 +148,7 @@ class FakeDecodeNode(FakeNode):
             self._transfers[rid] = _Transfer(expected=int(body["kv"]["tokens"]))
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
+        self.running += 1
         try:
             await self._write(resp, {"type": "accepted", "request_id": rid})
             kv_tokens, fallback = await self._await_kv(rid)
@@ -151,6 +156,7 @@ class FakeDecodeNode(FakeNode):
         except ConnectionResetError:
             self.disconnects.append(rid)
         finally:
+            self.running -= 1
             self._transfers.pop(rid, None)
         return resp
 
@@ -222,6 +228,8 @@ class FakePrefillNode(FakeNode):
     async def _prefill(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        if self.down:
+            return _error(503, "loading")
         if self.fail == "http":
             return _error(500, "fake prefill failure")
         if self.fail == "hang":
@@ -235,26 +243,116 @@ class FakePrefillNode(FakeNode):
 
 
 def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode], *, interval: float = 0.2,
-                  max_model_len: int = 4096, min_disagg_tokens: int = 32, model_dir: Path = MODEL_DIR) -> Settings:
-    """Settings with every section explicit, so no config.toml or DISAGG_* value leaks in."""
-    nodes = [{"name": d.name, "role": "decode", "host": "127.0.0.1", "port": d.port, "kv_port": d.kv_port}
-             for d in decoders]
-    nodes += [{"name": p.name, "role": "prefill", "host": "127.0.0.1", "port": p.port} for p in prefills]
+                  max_model_len: int = 4096, min_disagg_tokens: int = 32, model_dir: Path = MODEL_DIR,
+                  route: dict | None = None, gateway: dict | None = None,
+                  nodes_extra: dict[str, dict] | None = None) -> Settings:
+    """Settings with every section explicit, so no config.toml or DISAGG_* value leaks in. `route`, `gateway` and
+    `nodes_extra` (node name -> fields) add fields to the model route, [gateway] and [[nodes]]."""
+    extra = nodes_extra or {}
+    nodes = [{"name": d.name, "role": "decode", "host": "127.0.0.1", "port": d.port, "kv_port": d.kv_port,
+              **extra.get(d.name, {})} for d in decoders]
+    nodes += [{"name": p.name, "role": "prefill", "host": "127.0.0.1", "port": p.port, **extra.get(p.name, {})}
+              for p in prefills]
     return Settings(
-        gateway={"host": "127.0.0.1", "port": free_port(), "request_timeout_s": 30.0, "health_interval_s": interval},
+        gateway={"host": "127.0.0.1", "port": free_port(), "request_timeout_s": 30.0, "health_interval_s": interval,
+                 **(gateway or {})},
         prefill={}, decode={}, kv={}, nodes=nodes,
         models=[{"id": MODEL_ID, "path": str(model_dir), "prefill": [p.name for p in prefills],
                  "decode": [d.name for d in decoders], "max_model_len": max_model_len,
-                 "min_disagg_tokens": min_disagg_tokens}],
+                 "min_disagg_tokens": min_disagg_tokens, **(route or {})}],
     )
+
+
+UPSTREAM_REPLY = "Upstream says: the capital of France is Paris."
+
+
+class FakeUpstream:
+    """An OpenAI-compatible server (POST /v1/chat/completions and /v1/completions, whole or SSE) standing in for
+    the upstream the gateway calls through litellm. fail: None or "http" (answer 500). Records bodies and headers."""
+
+    def __init__(self, reply: str = UPSTREAM_REPLY) -> None:
+        self.reply = reply
+        self.fail: str | None = None
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def start(self) -> "FakeUpstream":
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port or 0).start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _pieces(self, body: dict) -> tuple[list[str], str]:
+        words = self.reply.split(" ")
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        limit = body.get("max_tokens")
+        if isinstance(limit, int) and limit < len(pieces):
+            return pieces[:limit], "length"
+        return pieces, "stop"
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=False)
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.fail == "http":
+            return web.json_response({"error": {"message": "fake upstream failure", "type": "server_error",
+                                                "code": None}}, status=500)
+        pieces, finish = self._pieces(body)
+        use = {"prompt_tokens": 11, "completion_tokens": len(pieces), "total_tokens": 11 + len(pieces)}
+        head = {"id": "up-1", "created": 1, "model": body.get("model")}
+        if not body.get("stream"):
+            text = "".join(pieces)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                      if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+            return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
+                                      "choices": [choice], "usage": use})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def choice(text: str | None, reason: str | None) -> dict:
+            if chat:
+                return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": reason}
+            return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+
+        events = [{**head, "object": obj, "choices": [choice(p, None)]} for p in pieces]
+        events.append({**head, "object": obj, "choices": [choice(None, finish)]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({**head, "object": obj, "choices": [], "usage": use})
+        for ev in events:
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
 
 class Cluster:
     """Fake nodes plus a real gateway app on ephemeral ports; `http` is a client session for the tests."""
 
-    def __init__(self, n_decode: int = 1, n_prefill: int = 1, **settings_kw) -> None:
+    def __init__(self, n_decode: int = 1, n_prefill: int = 1, upstream: bool = False, **settings_kw) -> None:
         self.decoders = [FakeDecodeNode(f"decode-{i}") for i in range(n_decode)]
         self.prefills = [FakePrefillNode(f"prefill-{i}", self.decoders) for i in range(n_prefill)]
+        self.upstream = FakeUpstream() if upstream else None
         self.settings_kw = settings_kw
         self.settings: Settings | None = None
         self.url = ""
@@ -274,6 +372,11 @@ class Cluster:
 
         for node in [*self.decoders, *self.prefills]:
             await node.start()
+        if self.upstream is not None:
+            await self.upstream.start()
+            route = dict(self.settings_kw.pop("route", None) or {})
+            route["upstream"] = {"model": "openai/gpt-fake", "api_base": self.upstream.url, **route.get("upstream", {})}
+            self.settings_kw["route"] = route
         self.settings = make_settings(self.decoders, self.prefills, **self.settings_kw)
         self._runner = web.AppRunner(create_app(self.settings), shutdown_timeout=0.1)
         await self._runner.setup()
@@ -290,6 +393,8 @@ class Cluster:
             await self._runner.cleanup()
         for node in [*self.decoders, *self.prefills]:
             await node.stop()
+        if self.upstream is not None:
+            await self.upstream.stop()
 
     async def chat(self, body: dict | None = None, raw: bytes | None = None) -> tuple[int, dict, dict]:
         """POST /v1/chat/completions; returns (status, headers, json)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -59,13 +60,13 @@ min_disagg_tokens = {min_disagg_tokens}
     return path
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -74,16 +75,41 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
     raise TimeoutError(f"{url} not healthy within {timeout}s")
 
 
-class Stack:
-    """Starts roles as `disagg <role>` processes, each in its own process group so stop() leaves nothing."""
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
-    def __init__(self, folder: Path, **cfg):
+
+class Stack:
+    """Starts roles as `disagg <role>` processes, each in its own process group so stop() leaves nothing.
+
+    `env` (e.g. {"DISAGG_AUTH__NODE_SECRET": ...}) goes to every role, and into `settings` here too.
+    """
+
+    def __init__(self, folder: Path, env: dict[str, str] | None = None, **cfg):
         from kv_bridge.config import load_config
 
         self.folder = folder
+        self.env = dict(env or {})
         self.config = write_config(folder, **cfg)
-        self.settings = load_config(self.config)
+        with _environ(self.env):
+            self.settings = load_config(self.config)
         self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def node_headers(self) -> dict[str, str]:
+        """What a caller of the nodes must send (the gateway's node credential; {} when nodes run open)."""
+        token = self.settings.auth.node_token()
+        return {} if token is None else {"Authorization": f"Bearer {token}"}
 
     def url(self, name: str) -> str:
         if name == "gateway":
@@ -97,8 +123,13 @@ class Stack:
             cmd += ["--node", name]
         log = open(self.folder / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **(env or {})})
-        wait_http(self.url(name) + "/health", timeout, self.procs[name])
+                                            env={**os.environ, **self.env, **(env or {})})
+        keys = self.settings.auth.client_keys()
+        if name != "gateway":
+            headers = self.node_headers
+        else:
+            headers = {"Authorization": f"Bearer {keys[0]}"} if keys and self.settings.auth.protect_health else {}
+        wait_http(self.url(name) + "/health", timeout, self.procs[name], headers)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs.pop(name, None)

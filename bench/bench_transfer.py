@@ -1,0 +1,388 @@
+"""KV transfer over loopback: KVSender -> KVReceiver (real frames, real sockets) vs a raw TCP stream of the same bytes.
+
+Run from the repository root:  .venv/bin/python bench/bench_transfer.py [--reps 5] [--sizes 1024,4096,8192] [--no-profile]
+The receiver runs in this process on an asyncio loop thread, the sender from the main thread (its writer thread
+sends), as on the nodes. A profile follows (skip it with --no-profile): where the time goes, what-if receive paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kv_bridge import wire  # noqa: E402
+from kv_bridge.config import KVConfig  # noqa: E402
+from kv_bridge.receiver import KVReceiver, Transfer  # noqa: E402
+from kv_bridge.sender import KVSender  # noqa: E402
+
+L, H, D = 30, 3, 64  # SmolLM2: float32 on the wire, as the embedded model stores it
+SPEC = {"fingerprint": "bench", "num_layers": L, "num_kv_heads": H, "head_dim": D}
+TARGET = 0.7
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopThread:
+    """An asyncio loop on its own thread, as a decode node runs its receiver."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def kv_layers(n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-layer contiguous (H, n, D) K and V, as the extractor hands them to the sender."""
+    rng = np.random.default_rng(seed)
+    return [(rng.random((H, n, D), dtype=np.float32), rng.random((H, n, D), dtype=np.float32)) for _ in range(L)]
+
+
+def bridge_once(lt: LoopThread, rx: KVReceiver, sender: KVSender, port: int, layers, tag: str) -> tuple[float, int]:
+    """Seconds from open() until the receiver holds the complete KV, and the payload bytes it counted."""
+    n = layers[0][0].shape[1]
+
+    async def expect():
+        return rx.expect(tag, n, SPEC)
+
+    t = lt.call(expect())
+    hdr = wire.StreamHeader(transfer_id=tag, fingerprint=SPEC["fingerprint"], num_layers=L, num_kv_heads=H,
+                            head_dim=D, dtype="float32", start=0, num_tokens=n)
+    t0 = time.perf_counter()
+    sender.open(hdr, "127.0.0.1", port)
+    for i, (k, v) in enumerate(layers):
+        sender.send_layer(tag, i, 0, k, v)
+    sender.close(tag)
+    got = lt.call(t.result(120))
+    dt = time.perf_counter() - t0
+    rx.transfers.pop(tag, None)
+    return dt, got.nbytes
+
+
+def raw_once(nbytes_per_layer: int, payload: bytes) -> float:
+    """Seconds to move L * nbytes_per_layer bytes: sendall per layer-sized chunk, recv_into a preallocated buffer."""
+    total = L * nbytes_per_layer
+    port = free_port()
+    srv = socket.create_server(("127.0.0.1", port))
+    done = threading.Event()
+    dest = bytearray(total)
+
+    def receive():
+        conn, _ = srv.accept()
+        with conn:
+            view, got = memoryview(dest), 0
+            while got < total:
+                r = conn.recv_into(view[got:], min(total - got, 1 << 20))
+                if r == 0:
+                    raise RuntimeError("raw sender closed early")
+                got += r
+        done.set()
+
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    mv = memoryview(payload)
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(L):
+            s.sendall(mv[i * nbytes_per_layer:(i + 1) * nbytes_per_layer])
+        done.wait(120)
+    dt = time.perf_counter() - t0
+    th.join()
+    srv.close()
+    return dt
+
+
+class _TimedReader:
+    """Wraps an asyncio.StreamReader: time spent in readexactly (including waiting for the sender)."""
+
+    def __init__(self, reader):
+        self.reader, self.spent = reader, 0.0
+
+    async def readexactly(self, n: int) -> bytes:
+        t0 = time.perf_counter()
+        try:
+            return await self.reader.readexactly(n)
+        finally:
+            self.spent += time.perf_counter() - t0
+
+
+class TimedReceiver(KVReceiver):
+    """KVReceiver whose frame reading and KV assembly are timed piecewise (profiling only; same code paths)."""
+
+    def __init__(self, cfg: KVConfig):
+        super().__init__(cfg)
+        self.t = {"readexactly": 0.0, "crc32 (+ mac if keyed)": 0.0, "assemble (Transfer.add)": 0.0}
+
+    async def _read_frame(self, reader, *args, **kwargs):
+        t0, timed = time.perf_counter(), _TimedReader(reader)
+        out = await super()._read_frame(timed, *args, **kwargs)
+        self.t["readexactly"] += timed.spent
+        self.t["crc32 (+ mac if keyed)"] += time.perf_counter() - t0 - timed.spent
+        return out
+
+    def expect(self, transfer_id, num_tokens, spec):
+        if transfer_id in self.transfers:
+            raise ValueError(f"transfer {transfer_id!r} is already registered")
+        t = TimedTransfer(transfer_id, num_tokens, spec, self.cfg)
+        t.times = self.t
+        self.transfers[transfer_id] = t
+        return t
+
+
+class TimedSender(KVSender):
+    """KVSender whose writer thread is timed: frame building (crc32 of the payload) vs sendall (profiling only)."""
+
+    def __init__(self):
+        self.t = {"frame build (crc32, mac)": 0.0, "sendall": 0.0}
+        super().__init__()
+
+    def _dispatch(self, op, tid, arg):
+        t0 = time.perf_counter()
+        before = self.t["sendall"]
+        super()._dispatch(op, tid, arg)
+        if op == "kv":
+            self.t["frame build (crc32, mac)"] += time.perf_counter() - t0 - (self.t["sendall"] - before)
+
+    def _write(self, st, tid, parts):
+        t0 = time.perf_counter()
+        super()._write(st, tid, parts)
+        self.t["sendall"] += time.perf_counter() - t0
+
+
+class TimedTransfer(Transfer):
+    def add(self, layer, start, k, v):
+        t0 = time.perf_counter()
+        super().add(layer, start, k, v)
+        self.times["assemble (Transfer.add)"] += time.perf_counter() - t0
+
+
+def micro(nbytes: int, reps: int = 5) -> dict[str, float]:
+    """GB/s of single pieces of the path on a buffer of one frame's size (no sockets)."""
+    buf = np.random.default_rng(2).random(nbytes // 4, dtype=np.float32).tobytes()
+    dst = np.empty(nbytes // 4, np.float32)
+    ba = bytearray()
+
+    def best(fn):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return nbytes / min(ts) / 1e9
+
+    def grow():  # what StreamReader does: extend a bytearray chunk by chunk, then bytes() it out
+        ba.clear()
+        for i in range(0, nbytes, 1 << 18):
+            ba.extend(memoryview(buf)[i:i + (1 << 18)])
+        bytes(ba)
+
+    return {"zlib.crc32": best(lambda: zlib.crc32(buf)),
+            "bytes(memoryview) copy": best(lambda: bytes(memoryview(buf))),
+            "bytearray grow + bytes()": best(grow),
+            "np.frombuffer + copy to preallocated": best(lambda: np.copyto(dst, np.frombuffer(buf, np.float32)))}
+
+
+def fill_rates(layers, reps: int = 3) -> dict[str, float]:
+    """GB/s of writing every layer's K into an (L, H, T, D) buffer: fresh per transfer (as Transfer.begin) or reused."""
+    shape = (L, *layers[0][0].shape)
+    reused = np.ones(shape, np.float32)
+
+    def fill(dst):
+        for i, (k, _) in enumerate(layers):
+            dst[i] = k
+
+    def best(make):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fill(make())
+            ts.append(time.perf_counter() - t0)
+        return reused.nbytes / min(ts) / 1e9
+    return {"fill fresh np.empty (L, H, T, D)": best(lambda: np.empty(shape, np.float32)),
+            "fill reused (L, H, T, D) buffer": best(lambda: reused)}
+
+
+class _IntoBuffer(asyncio.BufferedProtocol):
+    """What-if receiver: the event loop recv_into()s straight into a preallocated buffer (no StreamReader)."""
+
+    def __init__(self, dest: memoryview, done: asyncio.Future):
+        self.dest, self.got, self.done, self.transport = dest, 0, done, None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def get_buffer(self, sizehint):
+        return self.dest[self.got:]
+
+    def buffer_updated(self, nbytes):
+        self.got += nbytes
+        if self.got >= len(self.dest) and not self.done.done():
+            self.transport.close()  # nothing more is expected; an empty buffer would be a protocol error
+            self.done.set_result(None)
+
+    def eof_received(self):
+        if not self.done.done():
+            self.done.set_exception(RuntimeError("sender closed early"))
+
+
+def asyncio_once(lt: LoopThread, per_layer: int, payload: bytes, mode: str) -> float:
+    """Raw bytes into the loop thread: `readexactly` per layer-sized frame (+ crc32 if mode says), or `into`."""
+    total, port = L * per_layer, free_port()
+    dest = bytearray(total)
+
+    async def serve():
+        done = asyncio.get_running_loop().create_future()
+
+        async def handle(reader, writer):
+            for _ in range(L):
+                data = await reader.readexactly(per_layer)
+                if mode == "readexactly+crc32":
+                    zlib.crc32(data)
+            done.set_result(None)
+            writer.close()
+        if mode == "into":
+            srv = await asyncio.get_running_loop().create_server(lambda: _IntoBuffer(memoryview(dest), done),
+                                                                 "127.0.0.1", port)
+        else:
+            srv = await asyncio.start_server(handle, "127.0.0.1", port, limit=1 << 20)  # as KVReceiver
+        return srv, done
+
+    async def finish(srv, done):
+        await asyncio.wait_for(done, 120)
+        srv.close()
+
+    srv, done = lt.call(serve())
+    mv = memoryview(payload)
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(L):
+            s.sendall(mv[i * per_layer:(i + 1) * per_layer])
+        lt.call(finish(srv, done))
+    return time.perf_counter() - t0
+
+
+def profile(lt: LoopThread, n: int, reps: int) -> None:
+    layers = kv_layers(n, seed=9)
+    frame = layers[0][0].nbytes * 2
+    rx, port = TimedReceiver(KVConfig()), free_port()
+    lt.call(rx.start("127.0.0.1", port))
+    sender = TimedSender()
+    total = 0.0
+    try:
+        for i in range(reps):
+            dt, _ = bridge_once(lt, rx, sender, port, layers, f"prof-{n}-{i}")
+            total += dt
+    finally:
+        sender.shutdown()
+        lt.call(rx.stop())
+    print(f"\nprofile, {n} tokens ({frame / 1e6:.1f} MB frames), {reps} bridge transfers, {total:.3f} s wall in all:")
+    print("  receiver loop thread, summed over frames (readexactly includes waiting for the sender):")
+    for k, v in rx.t.items():
+        print(f"    {k:<26}{v:8.3f} s  {v / total * 100:5.1f}% of wall")
+    print("  sender writer thread, summed over frames (sendall includes waiting for the receiver):")
+    for k, v in sender.t.items():
+        print(f"    {k:<26}{v:8.3f} s  {v / total * 100:5.1f}% of wall")
+    payload = np.concatenate([np.concatenate([k.ravel(), v.ravel()]) for k, v in layers]).tobytes()
+    print(f"  the same {L * frame / 1e6:.0f} MB from a raw sendall sender into the loop thread, best of {reps} "
+          f"(GB/s; ratio to raw recv_into in a plain thread):")
+    raw = min(raw_once(frame, payload) for _ in range(reps))
+    print(f"    {'raw recv_into (baseline)':<40}{L * frame / raw / 1e9:7.2f}   1.00x")
+    for mode in ("readexactly", "readexactly+crc32", "into"):
+        t = min(asyncio_once(lt, frame, payload, mode) for _ in range(reps))
+        label = {"readexactly": "asyncio StreamReader.readexactly",
+                 "readexactly+crc32": "asyncio readexactly + zlib.crc32",
+                 "into": "asyncio BufferedProtocol recv_into"}[mode]
+        print(f"    {label:<40}{L * frame / t / 1e9:7.2f}  {raw / t:5.2f}x")
+    print(f"  pieces alone on one {frame / 1e6:.1f} MB frame (best of 5, GB/s, no sockets; buffers warm in cache):")
+    for k, v in micro(frame).items():
+        print(f"    {k:<40}{v:7.2f}")
+    print(f"  receive buffers ({L * frame / 2e6:.0f} MB of K, best of 3, GB/s): page faults of a fresh buffer per transfer:")
+    for k, v in fill_rates(layers).items():
+        print(f"    {k:<40}{v:7.2f}")
+
+
+def run(sizes: list[int], reps: int) -> tuple[list[dict], LoopThread]:
+    lt = LoopThread()
+    rx, port = KVReceiver(KVConfig()), free_port()
+    lt.call(rx.start("127.0.0.1", port))
+    sender = KVSender()
+    rows = []
+    try:
+        for n in sizes:
+            layers = kv_layers(n)
+            per_layer = layers[0][0].nbytes + layers[0][1].nbytes
+            payload = np.concatenate([np.concatenate([k.ravel(), v.ravel()]) for k, v in layers]).tobytes()
+            bridge_once(lt, rx, sender, port, layers, f"warm-{n}")  # first-touch and connection set-up
+            raw_once(per_layer, payload)
+            tb, tr = [], []
+            for i in range(reps):  # interleaved, so both see the same machine load
+                dt, got = bridge_once(lt, rx, sender, port, layers, f"b-{n}-{i}")
+                if got != L * per_layer:
+                    raise SystemExit(f"receiver counted {got} bytes, sent {L * per_layer}")
+                tb.append(dt)
+                tr.append(raw_once(per_layer, payload))
+            rows.append({"n": n, "bytes": L * per_layer, "bridge": tb, "raw": tr})
+            print(f"  {n:>5} tok: bridge " + " ".join(f"{t * 1e3:.0f}" for t in tb) + " ms; raw "
+                  + " ".join(f"{t * 1e3:.0f}" for t in tr) + " ms", flush=True)
+    finally:
+        sender.shutdown()
+        lt.call(rx.stop())
+    return rows, lt
+
+
+def report(rows: list[dict], reps: int) -> None:
+    print(f"\nmachine: nproc {len(os.sched_getaffinity(0))} (shared: numbers are noisy); loopback TCP; {L} layers x "
+          f"(K, V) of ({H}, T, {D}) float32, one frame per layer; {reps} reps each, interleaved; medians (and bests)")
+    print(f"{'tokens':>7}{'MB':>8}{'bridge ms':>11}{'GB/s':>7}{'raw ms':>9}{'GB/s':>7}{'ratio':>8}"
+          f"{'best ratio':>12}  target >= {TARGET}x")
+    for r in rows:
+        b, w = statistics.median(r["bridge"]), statistics.median(r["raw"])
+        ratio, best = w / b, min(r["raw"]) / min(r["bridge"])
+        print(f"{r['n']:>7}{r['bytes'] / 1e6:>8.1f}{b * 1e3:>11.1f}{r['bytes'] / b / 1e9:>7.2f}{w * 1e3:>9.1f}"
+              f"{r['bytes'] / w / 1e9:>7.2f}{ratio:>7.2f}x{best:>11.2f}x  {'ok' if ratio >= TARGET else 'MISS'}")
+    print("ratio = raw time / bridge time (bridge GB/s over raw GB/s); bridge time: open() until the receiver holds "
+          "all layers as float32 (L, H, T, D)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sizes", default="1024,4096,8192")
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print("transfers (ms per run):", flush=True)
+    rows, lt = run(sizes, args.reps)
+    report(rows, args.reps)
+    if not args.no_profile:
+        profile(lt, max(sizes), 3)
+    lt.close()
+
+
+if __name__ == "__main__":
+    main()

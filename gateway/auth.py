@@ -1,0 +1,118 @@
+"""Client API keys on the gateway's routes, and the credential the gateway shows its nodes (docs/security.md).
+
+No keys configured: the gateway is open, as it always was. With keys, every route needs
+`Authorization: Bearer <key>` except /health and / (unless auth.protect_health) and /metrics (unless
+auth.protect_metrics); a caller without a valid key gets 401 in its API's error shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+
+from aiohttp import web
+
+from kv_bridge.config import AuthConfig, Settings, is_loopback
+
+from .errors import APIError
+
+log = logging.getLogger("gateway.auth")
+
+# Default headers of the gateway's one ClientSession: every node call, health checks included, carries them.
+NODE_HEADERS = web.AppKey("disagg_node_headers", dict)
+
+
+class AuthenticationError(APIError):
+    """No or a wrong API key; OpenAI answers 401 with this type and code."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class APIKeys:
+    """The accepted keys, kept as SHA-256 digests and compared in constant time."""
+
+    def __init__(self, keys: list[str]):
+        self._digests = [_digest(k) for k in keys]
+
+    def check(self, authorization: str | None) -> str | None:
+        """None when `authorization` is `Bearer <an accepted key>`; otherwise "missing" or "invalid"."""
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return "missing"
+        got = _digest(key.strip())
+        ok = False
+        for d in self._digests:  # every key is compared: the time taken does not say which one matched
+            ok |= hmac.compare_digest(got, d)
+        return None if ok else "invalid"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode(errors="replace")).digest()
+
+
+def _is_ollama(path: str) -> bool:
+    # the same split gateway.ollama's error middleware makes: these paths answer {"error": "..."}
+    return path == "/" or path == "/api" or path.startswith("/api/")
+
+
+def _unauthorized(request: web.Request, problem: str) -> web.Response:
+    if problem == "missing":
+        err = AuthenticationError("Missing API key: send it in an Authorization header using Bearer auth "
+                                  "(Authorization: Bearer YOUR_KEY)")
+    else:
+        err = AuthenticationError("Incorrect API key provided")  # never echoed: it may be another service's key
+    body = {"error": f"unauthorized: {err.message}"} if _is_ollama(request.path) else err.body()
+    resp = web.json_response(body, status=401)
+    # RFC 6750: a request that carried a token learns it was invalid; one that carried none learns the scheme
+    resp.headers["WWW-Authenticate"] = 'Bearer realm="disagg"' + ("" if problem == "missing" else
+                                                                   ', error="invalid_token"')
+    return resp
+
+
+def client_auth(cfg: AuthConfig):
+    """The middleware that demands an API key, or None when no key is configured (the gateway is open).
+
+    Raises kv_bridge.config.ConfigError for an unreadable api_keys_file, so a bad set-up fails at start-up.
+    """
+    keys = cfg.client_keys()
+    if not keys:
+        return None
+    checker = APIKeys(keys)
+    open_paths = set()
+    if not cfg.protect_health:
+        open_paths |= {"/health", "/"}  # "/" is Ollama's liveness probe ("Ollama is running")
+    if not cfg.protect_metrics:
+        open_paths.add("/metrics")
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.path in open_paths:
+            return await handler(request)
+        problem = checker.check(request.headers.get("Authorization"))
+        if problem is not None:
+            return _unauthorized(request, problem)
+        return await handler(request)
+
+    return require_api_key
+
+
+def node_headers(cfg: AuthConfig) -> dict[str, str]:
+    """What every gateway -> node request carries: the node token derived from the node secret, if one is set."""
+    token = cfg.node_token()
+    return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+
+def warn_exposure(settings: Settings, has_keys: bool) -> None:
+    """Say loudly what anyone on the network could do with this configuration (nodes refuse it themselves)."""
+    gw = settings.gateway
+    if not has_keys and not is_loopback(gw.host):
+        log.warning("gateway listens on %s:%d without API keys: anyone who reaches it can use it; set [auth] "
+                    "api_keys (or DISAGG_AUTH__API_KEYS, or api_keys_file)", gw.host, gw.port)
+    if settings.auth.node_secret is None and settings.auth.node_secret_file is None:
+        remote = [n.name for n in settings.nodes if not is_loopback(n.host)]
+        if remote:
+            log.warning("nodes %s are reached over the network without a node secret: any host that reaches them "
+                        "can use them or inject KV; set [auth] node_secret on the gateway and every node", remote)

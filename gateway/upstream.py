@@ -1,0 +1,218 @@
+"""The last fallback before 503: a model server outside the cluster (OpenAI-compatible, Ollama, any litellm
+provider), called through litellm when no decode node of the pool can serve. `UpstreamGeneration` has the interface
+of `orchestrator.Generation`, so the OpenAI and Ollama handlers relay it unchanged, with path "upstream".
+
+An upstream may run a different model with a different tokenizer, so it gets the request as the client wrote it
+(chat messages or a text prompt), never our token ids. Handlers record that input with `set_chat` / `set_text`; a
+request without one (token-id prompts, tools, Ollama `context`) cannot go upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from kv_bridge.config import ConfigError, ModelRoute, UpstreamConfig
+
+from .errors import UpstreamError
+
+if TYPE_CHECKING:
+    from .orchestrator import Done, Orchestrator, Sampling, Token
+
+log = logging.getLogger("gateway.upstream")
+
+UPSTREAM = "upstream"  # the path, and what x-disagg-decode-node says
+
+
+@dataclass(frozen=True)
+class UpstreamInput:
+    """The request in a form another model can take: chat messages, or a raw text prompt."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+
+
+_INPUT: contextvars.ContextVar[UpstreamInput | None] = contextvars.ContextVar("disagg_upstream_input", default=None)
+
+
+def set_chat(messages: list[dict]) -> None:
+    """Record this request's chat messages (None-valued fields dropped) for a possible upstream call."""
+    _INPUT.set(UpstreamInput(messages=[{k: v for k, v in m.items() if v is not None} for m in messages]))
+
+
+def set_text(prompt: str) -> None:
+    _INPUT.set(UpstreamInput(prompt=prompt))
+
+
+def current_input() -> UpstreamInput | None:
+    """What the running request recorded; tasks started from its handler (n choices) see it too."""
+    return _INPUT.get()
+
+
+def check_upstreams(routes: list[ModelRoute]) -> None:
+    """At start-up: litellm is installed and every named API key variable is set, or a ConfigError says the fix."""
+    configured = [r for r in routes if r.upstream is not None]
+    if configured and importlib.util.find_spec("litellm") is None:
+        raise ConfigError(f"model {configured[0].id!r} has an upstream, which needs litellm: "
+                          "pip install -e '.[gateway]' (or remove the model's upstream)")
+    for r in configured:
+        env = r.upstream.api_key_env
+        if env and not os.environ.get(env):
+            raise ConfigError(f"model {r.id!r}: upstream.api_key_env names {env}, which is not set; export it on the "
+                              "gateway host or remove api_key_env")
+
+
+_litellm: Any = None
+
+
+async def _load_litellm() -> Any:
+    """Import litellm once, off the event loop (it takes seconds), with its price table read from the package
+    instead of the network. Two first calls at once both wait on Python's import lock; that is fine."""
+    global _litellm
+    if _litellm is None:
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        mod = await asyncio.to_thread(importlib.import_module, "litellm")
+        mod.suppress_debug_info = True
+        mod.telemetry = False
+        _litellm = mod
+    return _litellm
+
+
+def _register(litellm: Any, model: str) -> None:
+    """Put the model in litellm's price table (at 0). Its cost accounting otherwise asks an Ollama server for the
+    model's details with a blocking HTTP call on our event loop (`/api/show`), for every request."""
+    if model not in litellm.model_cost:
+        provider = model.split("/", 1)[0]
+        litellm.register_model({model: {"litellm_provider": provider, "mode": "chat", "input_cost_per_token": 0.0,
+                                        "output_cost_per_token": 0.0}})
+
+
+def _request_kwargs(cfg: UpstreamConfig, sampling: "Sampling") -> dict:
+    """litellm arguments: the OpenAI sampling fields only. top_k, min_p and repetition_penalty have no OpenAI field,
+    and logit_bias names token ids of our vocabulary, which another model does not share."""
+    key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+    if key is None and cfg.model.startswith("openai/"):
+        key = "unused"  # the OpenAI SDK insists on a key; servers such as vLLM or llama.cpp ignore it
+    kw: dict[str, Any] = {
+        "model": cfg.model, "api_base": cfg.api_base, "api_key": key, "timeout": cfg.timeout_s, "stream": True,
+        "drop_params": True, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+    }
+    if sampling.seed is not None:
+        kw["seed"] = sampling.seed
+    if sampling.stop:
+        kw["stop"] = list(sampling.stop)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(sampling, name):
+            kw[name] = getattr(sampling, name)
+    return kw
+
+
+class _Upstream:
+    """Stands where a Generation has its decode NodeState (headers and logs read `.name`)."""
+
+    name = UPSTREAM
+
+
+class UpstreamGeneration:
+    """One generation served by the upstream. Iterate `tokens()`; then `done` is set. Always `close()`.
+    Tokens carry token_id -1: the upstream's tokens are not ours."""
+
+    planned_path = path = UPSTREAM
+    kv_requested = False
+    prefill = None
+    prefill_s = None
+    prefill_ms = 0.0
+
+    def __init__(self, orch: "Orchestrator", route: ModelRoute, prompt: list[int], inp: UpstreamInput,
+                 fallbacks: list[str]) -> None:
+        assert route.upstream is not None
+        self._orch, self.route, self.prompt, self.input = orch, route, prompt, inp
+        self.fallbacks = fallbacks
+        self.decode = _Upstream()
+        self.request_id = f"upstream-{id(self):x}"
+        self.done: "Done | None" = None
+        self._stream: Any = None
+        self._closed = False
+        orch.admitted(route, +1)
+
+    async def open(self, sampling: "Sampling") -> None:
+        """Start the upstream stream; raises UpstreamError when the upstream cannot be reached or refuses."""
+        cfg = self.route.upstream
+        litellm = await _load_litellm()
+        _register(litellm, cfg.model)
+        kw = _request_kwargs(cfg, sampling)
+        try:
+            if self.input.messages is not None:
+                self._stream = await litellm.acompletion(messages=self.input.messages,
+                                                         stream_options={"include_usage": True}, **kw)
+            else:
+                self._stream = await litellm.atext_completion(prompt=self.input.prompt, **kw)
+        except Exception as e:  # litellm maps every provider's failure to its own exception tree
+            raise UpstreamError(f"upstream {cfg.model} failed: {type(e).__name__}: {e}") from None
+
+    async def tokens(self) -> AsyncIterator["Token"]:
+        from .orchestrator import Done, Token
+
+        finish, usage, n = None, None, 0
+        try:
+            async for chunk in self._stream:
+                usage = getattr(chunk, "usage", None) or usage
+                for choice in getattr(chunk, "choices", None) or []:
+                    text = _choice_text(choice)
+                    finish = getattr(choice, "finish_reason", None) or finish
+                    if text:
+                        n += 1
+                        yield Token(-1, text)
+        except Exception as e:
+            raise UpstreamError(f"upstream {self.route.upstream.model} stream broke: {type(e).__name__}: {e}") from None
+        prompt_tokens = getattr(usage, "prompt_tokens", 0) or len(self.prompt)
+        completion_tokens = getattr(usage, "completion_tokens", 0) or n
+        self.done = Done(finish_reason="length" if finish == "length" else "stop", prompt_tokens=prompt_tokens,
+                         completion_tokens=completion_tokens, kv_tokens=0, fallback_reason=None, kv_transfer_s=0.0,
+                         kv_bytes=0)
+
+    def headers(self) -> dict[str, str]:
+        out = {"x-disagg-path": UPSTREAM, "x-disagg-kv-tokens": "0", "x-disagg-prefill-ms": "0",
+               "x-disagg-decode-node": UPSTREAM}
+        if self.fallbacks:
+            out["x-disagg-fallbacks"] = ",".join(self.fallbacks)
+        return out
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._orch.admitted(self.route, -1)
+        stream, self._stream = self._stream, None
+        if stream is not None and self.done is None:
+            await _close_stream(stream)
+
+
+def _choice_text(choice: Any) -> str:
+    delta = getattr(choice, "delta", None)
+    if delta is not None:  # chat chunk
+        return getattr(delta, "content", None) or ""
+    return getattr(choice, "text", None) or ""  # text-completion chunk
+
+
+async def _close_stream(stream: Any) -> None:
+    """Drop an unfinished upstream stream so the upstream stops generating (litellm wrappers differ in how)."""
+    for name in ("aclose", "close"):
+        fn = getattr(stream, name, None) or getattr(getattr(stream, "completion_stream", None), name, None)
+        if fn is None:
+            continue
+        try:
+            result = fn()
+            if asyncio.iscoroutine(result):
+                await result
+            return
+        except Exception as e:  # closing is best effort; the connection times out otherwise
+            log.debug("closing the upstream stream failed: %s", e)
+            return
