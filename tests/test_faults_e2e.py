@@ -1,0 +1,47 @@
+"""Faults on the real stack: kill -9 of the decode node mid-stream ends the client's stream with an error event
+and [DONE] (no hang), and the node serves again once restarted."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from stack import MODEL_ID
+
+pytestmark = pytest.mark.e2e
+
+
+def stream_request(stack, max_tokens: int):
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Tell me a long story about a fox."}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    req = urllib.request.Request(stack.url("gateway") + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=120)
+
+
+def test_decode_node_killed_mid_stream_then_restarted(stack):
+    t0 = time.monotonic()
+    with stream_request(stack, 400) as r:
+        lines = []
+        for raw in r:
+            line = raw.decode().strip()
+            if not line:
+                continue
+            lines.append(line)
+            if len(lines) == 3:  # a few tokens in: kill -9 the decode node under the stream
+                stack.kill("decode-0")
+    assert time.monotonic() - t0 < 60, "the stream must end promptly, not hang"
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    assert "error" in events[-1], events[-1]
+    stack.start("decode-0")
+    for _ in range(40):  # the gateway sees the node healthy again within its health interval
+        with stream_request(stack, 8) as r:
+            lines = [raw.decode().strip() for raw in r if raw.strip()]
+        if not any('"error"' in ln for ln in lines):
+            break
+        time.sleep(0.5)
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines)
