@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -38,9 +39,15 @@ def test_decode_node_killed_mid_stream_then_restarted(stack):
     events = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
     assert "error" in events[-1], events[-1]
     stack.start("decode-0")
-    for _ in range(40):  # the gateway sees the node healthy again within its health interval
-        with stream_request(stack, 8) as r:
-            lines = [raw.decode().strip() for raw in r if raw.strip()]
+    lines = []
+    for _ in range(60):  # 503 until the gateway's health checks see the restarted node
+        try:
+            with stream_request(stack, 8) as r:
+                lines = [raw.decode().strip() for raw in r if raw.strip()]
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            time.sleep(0.5)
+            continue
         if not any('"error"' in ln for ln in lines):
             break
         time.sleep(0.5)
