@@ -18,19 +18,21 @@ log = logging.getLogger(__name__)
 class NodeError(Exception):
     """An error a node reports to its caller as {"error": {"message", "type", "code"}} with `status`."""
 
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
+        self.headers = headers or {}
 
 
 def bad_request(message: str) -> NodeError:
     return NodeError(400, message, "invalid_request")
 
 
-def error_response(status: int, message: str, code: str | None = None) -> web.Response:
+def error_response(status: int, message: str, code: str | None = None, headers: dict | None = None) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)
+    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status,
+                             headers=headers)
 
 
 @web.middleware
@@ -38,7 +40,7 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except NodeError as e:
-        return error_response(e.status, str(e), e.code)
+        return error_response(e.status, str(e), e.code, e.headers)
     except web.HTTPException:
         raise
     except Exception as e:  # the one boundary where anything else becomes a 500 with a message

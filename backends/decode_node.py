@@ -21,7 +21,7 @@ from backends.common import NodeError, bad_request, json_body, node_app, node_to
 from backends.sampling import GenParams, StopMatcher, make_sampling, token_logprobs
 from kv_bridge.config import NodeConfig, Settings, resolve_model_path
 from kv_bridge.fingerprint import kv_spec
-from kv_bridge.receiver import KVReceiver, TransferError
+from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
 _STOP_WAIT_S = 60.0  # longest wait for a cancelled generation's MLX step (or local prefill) to finish
@@ -171,7 +171,10 @@ class DecodeService:
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         if rid in self.receiver.transfers:
             raise NodeError(409, f"request_id {rid!r} is already in flight on this node", "duplicate_request")
-        transfer = self.receiver.expect(rid, kv_tokens, m.spec) if kv_tokens else None
+        try:
+            transfer = self.receiver.expect(rid, kv_tokens, m.spec) if kv_tokens else None
+        except KVCapacityError as e:  # backpressure: the gateway tries another node, then answers 429
+            raise NodeError(429, str(e), "kv_capacity", {"Retry-After": "1"}) from None
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         self.running += 1
         try:

@@ -89,6 +89,12 @@ class NodeUnavailable(UpstreamError):
     code = "node_unavailable"
 
 
+class NodeBusy(UpstreamError):
+    """A node refused work for now (429: e.g. its in-flight KV cap); another node may take it."""
+
+    status = 429
+
+
 class ClientDisconnected(APIError):
     """The client hung up before its answer was ready; nobody reads this, it only unwinds the request."""
 

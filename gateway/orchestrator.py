@@ -24,7 +24,7 @@ import aiohttp
 
 from kv_bridge.config import ModelRoute, Settings
 
-from .errors import InvalidRequest, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
+from .errors import InvalidRequest, NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
 from .nodes import NodePool, NodeState, PrefixAffinity
 from .upstream import UPSTREAM, UpstreamGeneration, check_upstreams, current_input
 
@@ -32,6 +32,7 @@ log = logging.getLogger("gateway.orchestrator")
 
 DISAGGREGATED, LOCAL, FALLBACK = "disaggregated", "local", "fallback"
 DECODE_NODE_FAILED, PREFILL_NODE_FAILED, NO_CAPACITY = "decode_node_failed", "prefill_node_failed", "no_capacity"
+DECODE_NODE_BUSY = "decode_node_busy"
 # After decode's done line, wait this long for the prefill call to answer (for its timing) before cancelling it.
 PREFILL_GRACE_S = 2.0
 _CONNECT_TIMEOUT_S = 5.0
@@ -180,6 +181,8 @@ class Generation:
         msg = await _error_text(resp)
         if resp.status == 503:
             raise NodeUnavailable(f"decode node {self.decode.name} is not ready: {msg}")
+        if resp.status == 429:
+            raise NodeBusy(f"decode node {self.decode.name} is busy: {msg}")
         if 400 <= resp.status < 500:
             raise InvalidRequest(f"decode node {self.decode.name} refused the request: {msg}")
         raise UpstreamError(f"decode node {self.decode.name} answered HTTP {resp.status}: {msg}")
@@ -340,13 +343,14 @@ class Orchestrator:
         prefix = self.affinity.hashes(route.id, prompt)
         prefer = self._remembered(route, prefix)
         tried: list[str] = []
+        busy: list[str] = []
         fallbacks: list[str] = []
         while True:
             decode = self.pool.pick(route.decode, exclude=tried, prefer=prefer, slack=self.affinity_slack)
             if not tried and prefer is not None:
                 self.metrics.affinity.labels(route.id, "hit" if decode and decode.name == prefer else "skipped").inc()
             if decode is None:
-                return await self._beyond_the_pool(route, prompt, sampling, tried, fallbacks)
+                return await self._beyond_the_pool(route, prompt, sampling, tried, fallbacks, busy)
             gen = Generation(self, route, decode, self.choose_prefill(route, prompt), prompt, prefix, fallbacks)
             try:
                 await gen.open(sampling)
@@ -355,10 +359,14 @@ class Orchestrator:
                 await gen.close()
                 if isinstance(e, NodeUnavailable):
                     self.pool.mark(decode, False, e.message)
-                log.warning("decode node %s failed before streaming (%s); trying the next", decode.name, e.message)
+                reason = DECODE_NODE_BUSY if isinstance(e, NodeBusy) else DECODE_NODE_FAILED
+                if reason == DECODE_NODE_BUSY:
+                    busy.append(decode.name)
+                log.warning("decode node %s %s before streaming (%s); trying the next", decode.name,
+                            "was busy" if reason == DECODE_NODE_BUSY else "failed", e.message)
                 tried.append(decode.name)
-                fallbacks.append(DECODE_NODE_FAILED)
-                self.metrics.fallback(route.id, DECODE_NODE_FAILED)
+                fallbacks.append(reason)
+                self.metrics.fallback(route.id, reason)
             except BaseException:
                 await gen.close()
                 raise
@@ -374,11 +382,12 @@ class Orchestrator:
         return hit[0]
 
     async def _beyond_the_pool(self, route: ModelRoute, prompt: list[int], sampling: Sampling, tried: list[str],
-                               fallbacks: list[str]) -> UpstreamGeneration:
+                               fallbacks: list[str], busy: list[str] = ()) -> UpstreamGeneration:
         """No decode node can serve: the upstream when one is configured and the request can go there; else 429
-        when healthy nodes are only full, 503 when none is healthy."""
-        full = [n.name for n in self.pool.healthy(route.decode) if n.name not in tried and n.full]
-        why = (f"every decode node of model {route.id!r} is at its max_inflight ({', '.join(full)})" if full else
+        when healthy nodes are only full (at max_inflight, or refusing with 429), 503 when none is healthy."""
+        full = [*busy, *(n.name for n in self.pool.healthy(route.decode) if n.name not in tried and n.full)]
+        why = (f"every decode node of model {route.id!r} is full: at its max_inflight or in-flight KV cap "
+               f"({', '.join(full)})" if full else
                f"no healthy decode node for model {route.id!r}" + (f" (tried {', '.join(tried)})" if tried else ""))
         inp = current_input()
         if route.upstream is not None and inp is not None and sampling.logprobs is None:

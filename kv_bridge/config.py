@@ -131,6 +131,9 @@ class KVConfig(BaseModel):
     max_tokens: int = Field(default=131072, ge=1, description="largest token count one transfer may declare")
     max_frame_bytes: int = Field(default=256 << 20, ge=1024, description="largest KV frame payload accepted")
     max_transfer_bytes: int = Field(default=8 << 30, ge=1024, description="largest total KV one transfer may declare")
+    max_inflight_bytes: int = Field(
+        default=8 << 30, ge=1024, description="decode node: most KV (as float32) its open transfers and the requests "
+        "they feed may hold at once; a request over it gets 429 and the gateway tries another node")
     queue_frames: int = Field(default=256, ge=1, description="sender queue bound (frames) before the forward waits")
     connect_timeout_s: float = Field(default=5.0, gt=0)
     wire_dtype: Literal["auto", "float8_e4m3"] = Field(

@@ -85,6 +85,21 @@ class Transfer:
         self._filled[layer, start:start + n] = True
         self._bytes += self._hdr.kv_bytes(n)  # bytes as they crossed the network
 
+    def views(self, layer: int, start: int, count: int) -> list[memoryview]:
+        """Where a float32 frame's payload goes, in wire order: K (count, D) for each head, then V likewise, each a
+        contiguous slice of this transfer's arrays, so the frame is received in place (no copy). The tokens are
+        claimed now; a frame that fails its checksum afterwards fails the whole transfer."""
+        a = start - self._hdr.start
+        if self._filled[layer, a:a + count].any():
+            raise wire.WireError(f"KV frame overlaps tokens already received (layer {layer}, start {start})")
+        self._filled[layer, a:a + count] = True
+        heads = range(self._hdr.num_kv_heads)
+        return [memoryview(buf[layer, h, a:a + count]).cast("B") for buf in (self._keys, self._values) for h in heads]
+
+    def received(self, count: int) -> None:
+        """A frame received in place (views()) passed its checks: count its bytes."""
+        self._bytes += self._hdr.kv_bytes(count)
+
     def finish(self) -> None:
         if not self._filled.all():
             missing = int((~self._filled).sum())
@@ -108,18 +123,33 @@ class Transfer:
             raise TransferError("kv_timeout", f"no complete KV within {timeout:.1f}s") from None
 
 
+class KVCapacityError(RuntimeError):
+    """Accepting this transfer would put the node's in-flight KV over `kv.max_inflight_bytes`: refuse, retry later."""
+
+
 class KVReceiver:
-    """TCP server on the decode node's kv_port; one connection carries one transfer."""
+    """TCP server on the decode node's kv_port; one connection carries one transfer.
+
+    Each connection is a `_FrameProtocol`: the event loop recv_into()s every frame straight into a buffer the
+    connection reuses, so a KV frame is copied once by the kernel and once into the transfer's arrays (asyncio's
+    StreamReader copied it twice more; see bench/bench_transfer.py).
+    """
 
     def __init__(self, cfg: KVConfig, key: bytes | None = None, frame_mac: bool = True):
         self.cfg = cfg
         self.key = key  # None: streams are open (loopback-only deployments)
         self.require_frame_mac = frame_mac
         self.transfers: dict[str, Transfer] = {}
+        self._reserved: dict[str, int] = {}  # transfer id -> float32 KV bytes it may hold
         self._server: asyncio.base_events.Server | None = None
 
+    @property
+    def inflight_bytes(self) -> int:
+        return sum(self._reserved.values())
+
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port, limit=1 << 20)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _FrameProtocol(self), host, port)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -129,30 +159,27 @@ class KVReceiver:
             t.fail("kv_aborted", "decode node shutting down")
 
     def expect(self, transfer_id: str, num_tokens: int, spec: dict) -> Transfer:
+        """Register a transfer; KVCapacityError when its KV would put the node over `kv.max_inflight_bytes`."""
         if transfer_id in self.transfers:
             raise ValueError(f"transfer {transfer_id!r} is already registered")
+        need = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * num_tokens * 4  # float32 K and V
+        held = self.inflight_bytes
+        if held + need > self.cfg.max_inflight_bytes:
+            raise KVCapacityError(f"this decode node holds {held} bytes of in-flight KV; {need} more would pass its "
+                                  f"kv.max_inflight_bytes of {self.cfg.max_inflight_bytes}")
         t = Transfer(transfer_id, num_tokens, spec, self.cfg)
         self.transfers[transfer_id] = t
+        self._reserved[transfer_id] = need
         return t
 
     def forget(self, transfer_id: str) -> None:
+        """The request is over: fail the transfer if it is still open and release its reservation."""
+        self._reserved.pop(transfer_id, None)
         t = self.transfers.pop(transfer_id, None)
         if t is not None:
             t.fail("kv_aborted", "transfer no longer wanted")
 
-    async def _read_frame(self, reader: asyncio.StreamReader, mac: wire.FrameMac | None = None
-                          ) -> tuple[int, memoryview]:
-        ftype, length = wire.PREFIX.unpack(await reader.readexactly(wire.PREFIX.size))
-        wire.check_prefix(ftype, length, self.cfg.max_frame_bytes)
-        tag = wire.TAG_BYTES if mac is not None else 0
-        data = await reader.readexactly(length + wire.CRC.size + tag)
-        body = memoryview(data)[:length]
-        wire.check_crc(body, data[length:length + wire.CRC.size])
-        if mac is not None:  # before anything reads the body
-            mac.check(ftype, body, data[length + wire.CRC.size:])
-        return ftype, body
-
-    def _authenticate(self, hdr: wire.StreamHeader) -> wire.FrameMac | None:
+    def authenticate(self, hdr: wire.StreamHeader) -> wire.FrameMac | None:
         """The stream's frame MAC (None when frames carry no tags); TransferError when it may not stream."""
         if self.key is None:
             if hdr.auth is not None:
@@ -170,49 +197,181 @@ class KVReceiver:
                                 "but the sender authenticates only the header; set the same value on both")
         return wire.FrameMac(self.key, hdr.auth) if hdr.frame_mac else None
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        transfer = None
-        try:
-            ftype, body = await self._read_frame(reader)
-            if ftype != wire.HEADER:
-                raise wire.WireError("stream must open with a HEADER frame")
-            hdr = wire.StreamHeader.from_json(wire.parse_json(body))
-            transfer = self.transfers.get(hdr.transfer_id)
-            # Authentication comes first, so an unauthenticated peer learns nothing about which transfers
-            # exist; a refused stream still fails its transfer (if any): decode prefills locally at once.
-            mac = self._authenticate(hdr)
-            if transfer is None or transfer.future.done():
-                raise TransferError("kv_error", f"no decode request is waiting for transfer {hdr.transfer_id!r}")
-            transfer.check_header(hdr)
-            transfer.begin(hdr)
-            writer.write(wire.json_frame(wire.ACK, {}))
-            await writer.drain()
-            await self._read_stream(reader, hdr, transfer, mac)
-        except (TransferError, wire.WireError, asyncio.IncompleteReadError, ConnectionError) as e:
-            reason = getattr(e, "reason", "kv_error")
-            # a peer that vanished mid-frame shows up as EOF or as a reset, depending on timing
-            lost = isinstance(e, (asyncio.IncompleteReadError, ConnectionError))
-            msg = f"stream ended mid-frame (connection lost: {type(e).__name__})" if lost else str(e)
-            log.warning("KV transfer %s failed: %s", transfer.transfer_id if transfer else "?", msg)
-            if transfer is not None:
-                transfer.fail(reason, msg)
-            try:
-                writer.write(wire.json_frame(wire.ERROR, {"message": msg}))
-                await writer.drain()
-            except (ConnectionError, RuntimeError):
-                pass
-        finally:
-            writer.close()
 
-    async def _read_stream(self, reader, hdr: wire.StreamHeader, transfer: Transfer,
-                           mac: wire.FrameMac | None) -> None:
-        while not transfer.future.done():
-            ftype, body = await self._read_frame(reader, mac)
-            if ftype == wire.KV:
-                transfer.add(*wire.parse_kv(body, hdr))
-            elif ftype == wire.DONE:
-                transfer.finish()
-            elif ftype == wire.ERROR:
-                raise TransferError("kv_error", "prefill reported: " + str(wire.parse_json(body).get("message")))
-            else:
-                raise wire.WireError(f"unexpected frame type {ftype} mid-stream")
+class _FrameProtocol(asyncio.BufferedProtocol):
+    """One KV connection: HEADER (answered ACK or ERROR), then KV* and DONE.
+
+    The event loop recv_into()s each piece of a frame where it belongs: the 5-byte prefix, then either the whole
+    body into `_buf` (reused, grown to the largest frame after the prefix's length passed its bound), or, for a
+    float32 KV frame of a stream without frame MACs, its 20-byte KV prefix and then the payload straight into
+    the transfer's arrays, one contiguous piece per head (`Transfer.views`). Frames are handled synchronously as they complete, so nothing
+    queues up here: a fast sender waits in TCP.
+    """
+
+    def __init__(self, rx: KVReceiver):
+        self.rx = rx
+        self.transport: asyncio.Transport | None = None
+        self.transfer: Transfer | None = None
+        self.hdr: wire.StreamHeader | None = None
+        self.mac: wire.FrameMac | None = None
+        self._small = bytearray(wire.PREFIX.size + wire.KV_PREFIX.size + wire.CRC.size + wire.TAG_BYTES)
+        self._buf = bytearray()
+        self._targets: list[memoryview] = []
+        self._ti = self._got = 0
+        self._then = None  # called once every target is full
+        self._mid_frame = False
+        self._closed = False
+        self._expect_prefix()
+
+    # ---- reading: fill the targets in order, then call _then ----
+
+    def _read(self, targets: list[memoryview], then) -> None:
+        self._targets, self._ti, self._got, self._then = targets, 0, 0, then
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._targets[self._ti][self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._closed:
+            return
+        self._got += nbytes
+        if self._got < len(self._targets[self._ti]):
+            return
+        self._ti, self._got = self._ti + 1, 0
+        if self._ti < len(self._targets):
+            return
+        try:
+            self._then()
+        except (TransferError, wire.WireError) as e:
+            self._abort(getattr(e, "reason", "kv_error"), str(e))
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    # ---- frames ----
+
+    def _small_view(self, offset: int, size: int) -> memoryview:
+        return memoryview(self._small)[offset:offset + size]
+
+    def _expect_prefix(self) -> None:
+        self._mid_frame = False
+        self._read([self._small_view(0, wire.PREFIX.size)], self._on_prefix)
+
+    def _on_prefix(self) -> None:
+        self._mid_frame = True
+        ftype, length = wire.PREFIX.unpack_from(self._small)
+        wire.check_prefix(ftype, length, self.rx.cfg.max_frame_bytes)  # before anything is sized from it
+        # In place only without frame MACs: an authenticated frame is checked whole before any of it is looked at.
+        if ftype == wire.KV and self.hdr is not None and self.hdr.dtype == "float32" and self.mac is None:
+            if length < wire.KV_PREFIX.size:
+                raise wire.WireError("KV frame shorter than its prefix")
+            kvp = self._small_view(wire.PREFIX.size, wire.KV_PREFIX.size)
+            self._read([kvp], lambda: self._on_kv_prefix(length, kvp))
+            return
+        size = length + self._trailer_size()
+        if len(self._buf) < size:
+            self._buf = bytearray(size)  # grows to the largest frame of this stream, then is reused
+        self._read([memoryview(self._buf)[:size]], lambda: self._on_body(ftype, length))
+
+    def _trailer_size(self) -> int:
+        return wire.CRC.size + (wire.TAG_BYTES if self.mac is not None else 0)
+
+    def _check(self, ftype: int, length: int, parts: list, trailer: memoryview) -> None:
+        wire.check_crc_parts(parts, trailer[:wire.CRC.size])
+        if self.mac is not None:  # before anything reads the body
+            self.mac.check_parts(ftype, length, parts, bytes(trailer[wire.CRC.size:]))
+
+    def _on_kv_prefix(self, length: int, kvp: memoryview) -> None:
+        t = self._live_transfer()
+        if t is None:
+            return
+        layer, start, count, _, _ = wire.parse_kv_prefix(kvp, length, self.hdr)
+        views = t.views(layer, start, count)
+        trailer = self._small_view(wire.PREFIX.size + wire.KV_PREFIX.size, self._trailer_size())
+
+        def done() -> None:
+            self._check(wire.KV, length, [kvp, *views], trailer)
+            t.received(count)
+            self._expect_prefix()
+        self._read([*views, trailer], done)
+
+    def _on_body(self, ftype: int, length: int) -> None:
+        data = memoryview(self._buf)
+        body = data[:length]
+        self._check(ftype, length, [body], data[length:length + self._trailer_size()])
+        if self.hdr is None:
+            self._on_header(ftype, body)
+            self._expect_prefix()
+            return
+        t = self._live_transfer()
+        if t is None:
+            return
+        if ftype == wire.KV:
+            t.add(*wire.parse_kv(body, self.hdr))
+        elif ftype == wire.DONE:
+            t.finish()
+            self._close()
+        elif ftype == wire.ERROR:
+            raise TransferError("kv_error", "prefill reported: " + str(wire.parse_json(body).get("message")))
+        else:
+            raise wire.WireError(f"unexpected frame type {ftype} mid-stream")
+        self._expect_prefix()
+
+    def _live_transfer(self) -> Transfer | None:
+        """The transfer, or None (and the connection dropped) once it timed out, was aborted or forgotten."""
+        if self.transfer.future.done():
+            self._close()
+            return None
+        return self.transfer
+
+    def _on_header(self, ftype: int, body: memoryview) -> None:
+        if ftype != wire.HEADER:
+            raise wire.WireError("stream must open with a HEADER frame")
+        hdr = wire.StreamHeader.from_json(wire.parse_json(body))
+        t = self.rx.transfers.get(hdr.transfer_id)
+        # Authentication comes first, so an unauthenticated peer learns nothing about which transfers exist;
+        # a refused stream still fails its transfer (if any): decode prefills locally at once.
+        self.transfer = t
+        mac = self.rx.authenticate(hdr)
+        if t is None or t.future.done():
+            raise TransferError("kv_error", f"no decode request is waiting for transfer {hdr.transfer_id!r}")
+        t.check_header(hdr)
+        t.begin(hdr)
+        self.hdr, self.mac = hdr, mac
+        # a transfer that ends early (timeout, abort, a second connection) drops this connection at once
+        t.future.add_done_callback(lambda f: self._close())
+        self.transport.write(wire.json_frame(wire.ACK, {}))
+
+    # ---- endings ----
+
+    def _abort(self, reason: str, msg: str) -> None:
+        """Fail the transfer, tell the sender why (best effort) and drop the connection."""
+        t = self.transfer
+        log.warning("KV transfer %s failed: %s", t.transfer_id if t else "?", msg)
+        if t is not None:
+            t.fail(reason, msg)
+        if not self._closed and not self.transport.is_closing():
+            self.transport.write(wire.json_frame(wire.ERROR, {"message": msg}))
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        self.connection_lost(None)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        t = self.transfer
+        if t is not None and not t.future.done():
+            # a peer that vanished mid-frame shows up as EOF or as a reset, depending on timing
+            what = type(exc).__name__ if exc is not None else "EOF"
+            where = "mid-frame" if self._mid_frame or self._got else "before DONE"
+            msg = f"stream ended {where} (connection lost: {what})"
+            log.warning("KV transfer %s failed: %s", t.transfer_id, msg)
+            t.fail("kv_error", msg)
+        self._closed = True
+        self._buf = bytearray()
+        self._targets = []

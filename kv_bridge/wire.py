@@ -127,7 +127,11 @@ class FrameMac:
         return [*parts, self._next(parts[0], parts[1:-1])]
 
     def check(self, ftype: int, body: bytes | memoryview, tag: bytes) -> None:
-        if not hmac.compare_digest(self._next(PREFIX.pack(ftype, len(body)), (body,)), tag):
+        self.check_parts(ftype, len(body), (body,), tag)
+
+    def check_parts(self, ftype: int, length: int, parts, tag: bytes) -> None:
+        """As check(), for a body received in pieces (`parts`, in order, `length` bytes in all)."""
+        if not hmac.compare_digest(self._next(PREFIX.pack(ftype, length), parts), tag):
             raise WireError("frame authentication failed (tag mismatch): the stream was altered or forged")
 
 
@@ -162,8 +166,16 @@ def check_prefix(ftype: int, length: int, max_body: int) -> None:
 
 
 def check_crc(body: bytes | memoryview, crc_bytes: bytes) -> None:
+    check_crc_parts((body,), crc_bytes)
+
+
+def check_crc_parts(parts, crc_bytes: bytes) -> None:
+    """The checksum of a body received in pieces, in order."""
     (want,) = CRC.unpack(crc_bytes)
-    if zlib.crc32(body) != want:
+    crc = 0
+    for b in parts:
+        crc = zlib.crc32(b, crc)
+    if crc != want:
         raise WireError("frame checksum mismatch")
 
 
@@ -177,20 +189,27 @@ def parse_json(body: bytes | memoryview) -> dict:
     return obj
 
 
-def parse_kv(body: memoryview, hdr: StreamHeader) -> tuple[int, int, np.ndarray, np.ndarray]:
-    """Decode a KV frame body into (layer, token_start, K, V) as float32 (H, count, D) arrays."""
-    if len(body) < KV_PREFIX.size:
+def parse_kv_prefix(prefix: bytes | memoryview, body_len: int, hdr: StreamHeader) -> tuple[int, int, int, float, float]:
+    """Validate a KV frame's prefix against its stream before its payload is read anywhere:
+    (layer, token_start, token_count, k_scale, v_scale)."""
+    if body_len < KV_PREFIX.size:
         raise WireError("KV frame shorter than its prefix")
-    layer, start, count, k_scale, v_scale = KV_PREFIX.unpack_from(body)
+    layer, start, count, k_scale, v_scale = KV_PREFIX.unpack_from(prefix)
     if layer >= hdr.num_layers:
         raise WireError(f"KV frame for layer {layer}, stream has {hdr.num_layers} layers")
     end = hdr.start + hdr.num_tokens
     if count == 0 or start < hdr.start or start + count > end:
         raise WireError(f"KV frame tokens [{start}, {start + count}) outside the stream's [{hdr.start}, {end})")
-    if len(body) - KV_PREFIX.size != hdr.kv_bytes(count):
-        raise WireError(f"KV frame payload is {len(body) - KV_PREFIX.size} bytes, shape says {hdr.kv_bytes(count)}")
+    if body_len - KV_PREFIX.size != hdr.kv_bytes(count):
+        raise WireError(f"KV frame payload is {body_len - KV_PREFIX.size} bytes, shape says {hdr.kv_bytes(count)}")
     if not (np.isfinite(k_scale) and np.isfinite(v_scale) and k_scale > 0 and v_scale > 0):
         raise WireError(f"KV frame scales must be finite and positive, got {k_scale}, {v_scale}")
+    return layer, start, count, k_scale, v_scale
+
+
+def parse_kv(body: memoryview, hdr: StreamHeader) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """Decode a KV frame body into (layer, token_start, K, V) as float32 (H, count, D) arrays."""
+    layer, start, count, k_scale, v_scale = parse_kv_prefix(body, len(body), hdr)
     shape = (hdr.num_kv_heads, count, hdr.head_dim)
     half = hdr.kv_bytes(count) // 2
     dt = np.dtype(dtypes.STORAGE[hdr.dtype]).newbyteorder("<")

@@ -88,7 +88,8 @@ class _Transfer:
 
 class FakeDecodeNode(FakeNode):
     """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
-    "http_500" (answer 500 before any stream starts)."""
+    "http_500" (answer 500 before any stream starts), "kv_capacity" (answer 429 to requests that want KV, as a
+    real decode node over its kv.max_inflight_bytes does)."""
 
     role = "decode"
 
@@ -144,6 +145,10 @@ class FakeDecodeNode(FakeNode):
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return _error(400, "token_ids must be a non-empty list of ints")
         rid = body["request_id"]
+        if self.mode == "kv_capacity" and body.get("kv") is not None:
+            resp = _error(429, "over kv.max_inflight_bytes (fake)")
+            resp.headers["Retry-After"] = "1"
+            return resp
         if body.get("kv") is not None:
             self._transfers[rid] = _Transfer(expected=int(body["kv"]["tokens"]))
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

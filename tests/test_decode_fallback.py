@@ -38,9 +38,16 @@ def ids_for(hf_tokenizer, content=PROMPT):
 
 
 def send_raw(port: int, frames: list[bytes]) -> None:
+    """Send, half-close, read until the receiver closes (closing with its ACK unread would reset the connection)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        for f in frames:
-            s.sendall(f)
+        try:
+            for f in frames:
+                s.sendall(f)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(1 << 16):
+                pass
+        except ConnectionError:
+            pass
 
 
 def test_abort_makes_decode_prefill_locally(stack, hf_tokenizer):

@@ -285,3 +285,27 @@ async def test_ollama_upstream(make_cluster, provider):
     status, headers, events = await c.events("/v1/chat/completions", chat_body(max_tokens=32))
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
     assert status == 200 and text == REPLY
+
+
+async def test_decode_node_over_its_kv_cap_hands_the_request_to_the_next(make_cluster):
+    c = await make_cluster(n_decode=2)
+    c.decoders[0].mode = "kv_capacity"
+    status, headers, body = await c.chat(chat_body(LONG_TEXT, max_tokens=8))
+    assert status == 200, body
+    assert headers["x-disagg-decode-node"] == "decode-1"
+    assert headers["x-disagg-fallbacks"] == "decode_node_busy"
+    assert await fallbacks(c, "decode_node_busy") == 1
+    async with c.http.get(f"{c.url}/health") as r:  # busy is not down
+        nodes = {n["name"]: n for n in (await r.json())["nodes"]}
+    assert nodes["decode-0"]["up"] is True
+
+
+async def test_every_decode_node_over_its_kv_cap_answers_429(make_cluster):
+    c = await make_cluster(gateway={"retry_after_s": 2})
+    c.decode.mode = "kv_capacity"
+    status, headers, body = await c.chat(chat_body(LONG_TEXT, max_tokens=8))
+    assert status == 429 and headers["Retry-After"] == "2"
+    assert body["error"]["code"] == "rate_limit_exceeded" and "in-flight KV cap" in body["error"]["message"]
+    assert await fallbacks(c, "decode_node_busy") == 1 and await fallbacks(c, "no_capacity") == 1
+    status, _, _ = await c.chat(chat_body("hi", max_tokens=2))  # below the split threshold: no KV, served
+    assert status == 200

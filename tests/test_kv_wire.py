@@ -86,10 +86,22 @@ def test_wrong_token_count_refused():
 
 def raw_send(frames: list[bytes]):
     def send(port, tid):
-        with socket.create_connection(("127.0.0.1", port)) as s:
+        send_then_drain(port, frames)
+    return send
+
+
+def send_then_drain(port: int, frames: list[bytes]) -> None:
+    """Send, half-close, and read whatever the receiver answers until it closes: a peer that closed with the
+    receiver's ACK unread would reset the connection, and a reset may discard what it sent last."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
             for f in frames:
                 s.sendall(f)
-    return send
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(1 << 16):
+                pass
+        except ConnectionError:  # the receiver may drop a bad stream before reading all of it
+            pass
 
 
 def hdr_frame(tid="t1", n=10) -> bytes:
