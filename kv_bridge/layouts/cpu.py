@@ -25,6 +25,24 @@ class CpuAttnLayout(PagedLayout):
         v = permute(rows[:, :, 1].reshape(nb, h, bs, d), (1, 0, 2, 3))   # (H, nb, bs, D)
         return k.reshape(h, nb * bs, d)[:, off:off + n], v.reshape(h, nb * bs, d)[:, off:off + n]
 
+    def gather(self, kv_layer: np.ndarray, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """One pass: each run of consecutive block ids is a view of the cache, transposed straight into the
+        preallocated (H, end - start, D) outputs (the generic path copies the blocks, then the transpose)."""
+        h, bs, d, n = self.num_kv_heads, self.block_size, self.head_dim, end - start
+        k_out, v_out = np.empty((h, n, d), kv_layer.dtype), np.empty((h, n, d), kv_layer.dtype)
+        blocks, off = self.block_span(block_ids, start, end)
+        i = 0
+        while i < len(blocks):
+            j = i + 1
+            while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
+                j += 1
+            k, v = self.split(kv_layer[blocks[i]:blocks[i] + (j - i)], 0, (j - i) * bs)  # views, (H, run, D)
+            lo, hi = max(i * bs, off), min(j * bs, off + n)  # this run's tokens, counted from the first block
+            k_out[:, lo - off:hi - off] = k[:, lo - i * bs:hi - i * bs]
+            v_out[:, lo - off:hi - off] = v[:, lo - i * bs:hi - i * bs]
+            i = j
+        return k_out, v_out
+
     def scatter(self, kv_layer: np.ndarray, block_ids: list[int], start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Inverse of gather (builds synthetic paged caches for tests and benchmarks)."""
         bs, d = self.block_size, self.head_dim
