@@ -258,7 +258,7 @@ class Generation:
         no KV reached the decode node, whose transfer is still waiting untouched."""
         payload = {
             "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt[:-1],
-            "kv_target": {"host": self.decode.config.host, "port": self.decode.config.kv_port},
+            "kv_target": self.decode.config.kv_target,
         }
         node.inflight += 1
         t0 = time.monotonic()
