@@ -145,6 +145,7 @@ class DecodeService:
 
     def health(self) -> dict:
         return {"role": "decode", "models": list(self.models), "running": self.running, "kv_port": self.node.kv_port,
+                "transfers": len(self.receiver.transfers),  # registered and not yet settled: 0 when idle
                 "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()}}
 
     def _parse(self, body: dict) -> tuple[MLXModel, list[int], int, GenParams]:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from backends.common import bad_request
+from kv_bridge.stops import StopMatcher  # noqa: F401 (re-exported: the decode node imports it from here)
 
 MAX_TOP_LOGPROBS = 20
 PENALTY_CONTEXT = 20  # mlx-lm's default window for repetition/presence/frequency penalties
@@ -128,27 +129,3 @@ def token_logprobs(logprobs, token: int, k: int) -> tuple[float, list[list]]:
     vals = lp[idx]
     order = mx.argsort(-vals)
     return chosen, [[i, max(v, MIN_LOGPROB)] for i, v in zip(idx[order].tolist(), vals[order].tolist())]
-
-
-class StopMatcher:
-    """Holds back just enough streamed text to never emit the start of a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.buf = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string was hit); after a hit the rest is dropped."""
-        self.buf += text
-        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.buf = self.buf[:min(hits)], ""
-            return out, True
-        cut = max(len(self.buf) - self.hold, 0)
-        out, self.buf = self.buf[:cut], self.buf[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out

@@ -15,8 +15,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 # Why a request left its first-choice path; the only values disagg_fallbacks_total{reason} takes.
-FALLBACK_REASONS = ("decode_node_failed", "decode_node_busy", "prefill_node_failed", "kv_timeout", "kv_error",
-                    "kv_aborted", "upstream", "no_capacity")
+FALLBACK_REASONS = ("decode_node_failed", "decode_node_busy", "decode_failover", "prefill_node_failed",
+                    "kv_timeout", "kv_error", "kv_aborted", "upstream", "no_capacity")
 AFFINITY_OUTCOMES = ("hit", "miss", "skipped")  # skipped: the remembered node was down, full or too busy
 
 UNKNOWN_MODEL = "unknown"  # label for requests that never named a configured model

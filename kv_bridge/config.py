@@ -39,6 +39,10 @@ class NodeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(ge=1, le=65535)
     kv_port: int | None = Field(default=None, ge=1, le=65535, description="decode only: KV receiver port")
+    kv_advertise_host: str | None = Field(default=None, description="decode only: the host prefill nodes send KV to "
+                                          "when it is not `host` (NAT, a relay); None: host")
+    kv_advertise_port: int | None = Field(default=None, ge=1, le=65535, description="decode only: the port prefill "
+                                          "nodes send KV to when it is not kv_port (a port forward, a relay)")
     max_inflight: int | None = Field(default=None, ge=1, description="most requests the gateway sends this node at "
                                      "once; a full node is skipped (None: no limit)")
 
@@ -51,6 +55,11 @@ class NodeConfig(BaseModel):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_target(self) -> dict:
+        """Where prefill nodes push this decode node's KV: its advertised address, else host:kv_port."""
+        return {"host": self.kv_advertise_host or self.host, "port": self.kv_advertise_port or self.kv_port}
 
 
 class ModelRoute(BaseModel):

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from kv_bridge.config import Settings
+from kv_bridge.stops import StopMatcher
 
 MODEL_ID = "smollm2:135m"
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m"
@@ -89,7 +90,11 @@ class _Transfer:
 class FakeDecodeNode(FakeNode):
     """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
     "http_500" (answer 500 before any stream starts), "kv_capacity" (answer 429 to requests that want KV, as a
-    real decode node over its kv.max_inflight_bytes does)."""
+    real decode node over its kv.max_inflight_bytes does). A mid-stream failure comes after `break_after` tokens.
+
+    With `continues`, like a greedy model whose answer to everything is the reply: a prompt that already ends with
+    the reply's first j tokens (a continuation after a failover) gets the rest of it. Stop strings are matched as the
+    real node does."""
 
     role = "decode"
 
@@ -101,6 +106,8 @@ class FakeDecodeNode(FakeNode):
         self.kv_timeout_s = kv_timeout_s
         self.mode: str | None = None
         self.token_delay = 0.0
+        self.break_after = 2
+        self.continues = False
         self.requests: list[dict] = []
         self.aborts: list[str] = []
         self.disconnects: list[str] = []
@@ -179,24 +186,41 @@ class FakeDecodeNode(FakeNode):
             return 0, "kv_error"
         return t.expected, None
 
+    def _continued(self, prompt: list[int]) -> int:
+        """How many of the reply's first tokens the prompt already ends with (with `continues`; else 0)."""
+        if not self.continues:
+            return 0
+        return max((j for j in range(len(self.reply_ids) + 1) if prompt[len(prompt) - j:] == self.reply_ids[:j]),
+                   default=0)
+
     async def _tokens(self, request, resp, body: dict, kv_tokens: int, fallback: str | None) -> None:
         max_tokens = int(body.get("max_tokens") or 16)
-        out = self.reply_ids[:max_tokens]
+        rest = self.reply_ids[self._continued(body["token_ids"]):]
+        out = rest[:max_tokens]
+        stops, finish = StopMatcher(list(body.get("stop") or [])), "length" if len(rest) > max_tokens else "stop"
         for i, tid in enumerate(out):
-            if i == 2 and self.mode == "fail_mid_stream":
+            if i == self.break_after and self.mode == "fail_mid_stream":
                 await self._write(resp, {"type": "error", "message": "fake decode failure"})
                 return
-            if i == 2 and self.mode == "drop_mid_stream":
+            if i == self.break_after and self.mode == "drop_mid_stream":
                 request.transport.close()
                 return
             # Per-token text is the growth of the decoded prefix, as a real detokenizer streams it.
-            text = self.tok.decode(out[: i + 1])[len(self.tok.decode(out[:i])):]
+            text, hit = stops.feed(self.tok.decode(out[: i + 1])[len(self.tok.decode(out[:i])):])
+            if i == len(out) - 1 and not hit:
+                text += stops.flush()
             await self._write(resp, {"type": "token", "token_id": tid, "text": text, **fake_logprobs(body, i, tid)})
+            if hit:
+                out, finish = out[: i + 1], "stop"
+                break
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
+        if self.mode in ("fail_mid_stream", "drop_mid_stream") and self.break_after == len(out):
+            request.transport.close()  # after the last token, before the done line
+            return
         n = len(body["token_ids"])
         await self._write(resp, {
-            "type": "done", "finish_reason": "length" if len(self.reply_ids) > max_tokens else "stop",
+            "type": "done", "finish_reason": finish,
             "prompt_tokens": n, "completion_tokens": len(out), "kv_tokens": kv_tokens,
             "computed_tokens": n - kv_tokens, "fallback_reason": fallback,
             "kv_transfer_s": 0.02 if kv_tokens else 0.0, "kv_bytes": kv_tokens * 1000, "ttft_s": 0.01,

@@ -23,8 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8) -> Path:
-    ports = {k: free_port() for k in ("gateway", "prefill", "decode", "kv")}
+def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
+                 kv_advertise_port: dict[str, int] | None = None) -> Path:
+    """decode_nodes: decode-0, decode-1, ... all serving the model. kv_advertise_port: decode node name -> the port
+    prefill nodes are told to send its KV to (a relay in front of its kv_port)."""
+    ports = {k: free_port() for k in ("gateway", "prefill")}
+    decoders = ""
+    for i in range(decode_nodes):
+        name = f"decode-{i}"
+        advertised = (kv_advertise_port or {}).get(name)
+        decoders += f"""
+[[nodes]]
+name = "{name}"
+role = "decode"
+port = {free_port()}
+kv_port = {free_port()}
+""" + (f"kv_advertise_port = {advertised}\n" if advertised else "")
+    decode_names = ", ".join(f'"decode-{i}"' for i in range(decode_nodes))
     text = f"""
 [gateway]
 port = {ports['gateway']}
@@ -40,18 +55,12 @@ kv_timeout_s = {kv_timeout_s}
 name = "prefill-0"
 role = "prefill"
 port = {ports['prefill']}
-
-[[nodes]]
-name = "decode-0"
-role = "decode"
-port = {ports['decode']}
-kv_port = {ports['kv']}
-
+{decoders}
 [[models]]
 id = "{MODEL_ID}"
 path = "{MODEL_DIR}"
 prefill = ["prefill-0"]
-decode = ["decode-0"]
+decode = [{decode_names}]
 max_model_len = 4096
 min_disagg_tokens = {min_disagg_tokens}
 """
