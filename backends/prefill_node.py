@@ -117,8 +117,9 @@ class PrefillService:
         kvp = {"transfer_id": rid, "host": target["host"], "port": target["port"], "start": start}
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kvp})
         t0 = time.perf_counter()
-        await self._run(engine, ids, params, f"prefill-{rid}")
-        return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0})
+        out = await self._run(engine, ids, params, f"prefill-{rid}")
+        return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0,
+                                  "cached_tokens": int(getattr(out, "num_cached_tokens", None) or 0)})
 
     async def generate(self, request: web.Request) -> web.Response:
         from vllm import SamplingParams

@@ -23,7 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8) -> Path:
+def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8,
+                 prefix_cache_bytes: int = 0) -> Path:
+    """A stack config on free ports. Decode-side prefix reuse is off unless asked for: tests that pin how many KV
+    tokens cross must not depend on which prompts (a shared system prompt!) earlier tests left behind."""
     ports = {k: free_port() for k in ("gateway", "prefill", "decode", "kv")}
     text = f"""
 [gateway]
@@ -35,6 +38,7 @@ dtype = "float32"
 
 [decode]
 kv_timeout_s = {kv_timeout_s}
+prefix_cache_bytes = {prefix_cache_bytes}
 
 [[nodes]]
 name = "prefill-0"
