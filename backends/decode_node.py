@@ -151,7 +151,8 @@ class DecodeService:
     def __init__(self, settings: Settings, node: NodeConfig):
         self.settings, self.node = settings, node
         d = settings.decode
-        self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m)), d.kv_bits, d.kv_group_size, d.prefix_cache_bytes)
+        self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m)), d.kv_bits, d.kv_group_size,
+                                      d.prefix_cache_bytes)
                        for m in settings.models if node.name in m.decode}
         if not self.models:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
@@ -267,8 +268,8 @@ class DecodeService:
                     log.warning("generation still running %.0fs after it was cancelled", _STOP_WAIT_S)
         await fut
         await _line(resp, {"type": "done", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
-                           "computed_tokens": len(ids) - done["kv_tokens"] - done["prefix_tokens"], "ttft_s": ttft or 0.0,
-                           **done})
+                           "computed_tokens": len(ids) - done["kv_tokens"] - done["prefix_tokens"],
+                           "ttft_s": ttft or 0.0, **done})
 
 
 async def _line(resp: web.StreamResponse, obj: dict) -> None:

@@ -1,7 +1,8 @@
 """Prefill node: an aiohttp service around vLLM's AsyncLLM, started with our KV connector.
 
 POST /v1/prefill runs vLLM over the tokens; the connector streams every layer's KV from token kv_start on (the
-decode node holds the ones before) to the decode node's receiver while later layers compute. POST /v1/generate is vLLM alone (reference, no transfer).
+decode node holds the ones before) to the decode node's receiver while later layers compute.
+POST /v1/generate is vLLM alone (reference, no transfer).
 """
 
 from __future__ import annotations

@@ -270,7 +270,8 @@ class Generation:
         no KV reached the decode node, whose transfer is still waiting untouched."""
         payload = {
             "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt[:-1],
-            "kv_start": self.kv_start, "kv_target": {"host": self.decode.config.host, "port": self.decode.config.kv_port},
+            "kv_start": self.kv_start,
+            "kv_target": {"host": self.decode.config.host, "port": self.decode.config.kv_port},
         }
         node.inflight += 1
         t0 = time.monotonic()
