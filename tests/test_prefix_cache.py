@@ -177,3 +177,28 @@ def test_sliding_window_caches_reuse_only_exact_prefixes(gpt_oss):
     p, cache = young.lookup(M, ids[:8] + [2, 2, 2], 10)
     assert p == 8
     assert greedy(model, cache, [2, 2, 2], 3) == greedy(model, make_prompt_cache(model), ids[:8] + [2, 2, 2], 3)
+
+
+def test_quantized_prefix_reuse_decodes_like_mlx(mlx_ref):
+    """decode.kv_bits: the stored caches are mlx-lm QuantizedKVCache; appended KV is quantized as it lands, and
+    greedy decode equals MLX alone generating with the same kv_bits over the whole prompt."""
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model, tok = mlx_ref
+    ids = tok.encode(TEXT)
+    q = {"kv_bits": 8, "kv_group_size": 64, "quantized_kv_start": 0}
+    cache = make_prompt_cache(model)
+    fed = ids[:14] + [r.token for r in stream_generate(model, tok, mx.array(ids[:14]), max_tokens=3,
+                                                       prompt_cache=cache, **q)]
+    assert all(isinstance(c, QuantizedKVCache) for c in cache)
+    store = PrefixStore(1 << 30)
+    store.store(M, fed, cache)
+    prompt = ids[:14] + ids[20:36]  # leaves turn 1's prompt after 14 tokens: only prompt-computed KV is reused
+    p, reused = store.lookup(M, prompt, len(prompt) - 1)
+    assert p == 14 and all(isinstance(c, QuantizedKVCache) and c.offset == 14 for c in reused)
+    k, v = cache_kv(prefill(model, prompt[:-1]), len(prompt) - 1)  # the float KV a prefill node would send
+    append_kv(reused, k[:, :, p:], v[:, :, p:])
+    ours = [r.token for r in stream_generate(model, tok, mx.array(prompt[-1:]), max_tokens=8, prompt_cache=reused, **q)]
+    alone = [r.token for r in stream_generate(model, tok, mx.array(prompt), max_tokens=8, **q)]
+    assert ours == alone
