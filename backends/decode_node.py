@@ -2,6 +2,7 @@
 
 POST /v1/generate waits for the prompt's KV from a prefill node (bounded), builds mlx-lm caches from it, runs
 the remaining prompt token(s), samples and streams tokens as NDJSON. No KV in time: it prefills locally.
+A prompt prefix this node still holds (backends/prefix_cache.py) is reused; only the KV after it is moved.
 One MLX thread owns the model; the event loop never blocks on compute.
 """
 
@@ -30,9 +31,12 @@ _STOP_WAIT_S = 60.0  # longest wait for a cancelled generation's MLX step (or lo
 class MLXModel:
     """The model, its tokenizer and the one thread that may touch them."""
 
-    def __init__(self, model_id: str, path: str, kv_bits: int | None = None, kv_group_size: int = 64):
+    def __init__(self, model_id: str, path: str, kv_bits: int | None = None, kv_group_size: int = 64,
+                 prefix_cache_bytes: int = 0):
         self.model_id, self.path = model_id, path
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefixes = None  # PrefixStore, made with the model (it needs mlx)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
         self.model = self.tokenizer = None
         self.spec = kv_spec(path)
@@ -42,6 +46,9 @@ class MLXModel:
         from mlx.utils import tree_flatten
         from mlx_lm import load
 
+        from backends.prefix_cache import PrefixStore
+
+        self.prefixes = PrefixStore(self.prefix_cache_bytes)
         self.model, self.tokenizer = load(self.path)
         self.dtype = tree_flatten(self.model.parameters())[0][1].dtype
         # The logits width: what logit_bias ids and top_k are checked against.
@@ -54,38 +61,59 @@ class MLXModel:
 
             quantize(make_prompt_cache(self.model), self.kv_bits, self.kv_group_size)
 
-    def generate(self, ids: list[int], kv, gen: GenParams, emit, cancel: threading.Event) -> None:
-        """Runs on the MLX thread: emit(("token", line, finish_reason)) for each sampled token, then emit(None)."""
+    def generate(self, ids: list[int], kv, gen: GenParams, emit, cancel: threading.Event, prefix=None) -> None:
+        """Runs on the MLX thread: emit(("token", line, finish_reason)) for each sampled token, then emit(None).
+        `prefix`: a PrefixStore match for ids; `kv` then holds the KV after it (or is None: prefill the rest here)."""
         import mlx.core as mx
         from mlx_lm import stream_generate
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from kv_bridge.mlx_cache import build_prompt_cache, quantize
 
         try:
-            start = 0
-            if kv is not None:
-                cache = build_prompt_cache(self.model, kv.keys, kv.values, self.dtype)
-                quantize(cache, self.kv_bits, self.kv_group_size)  # as mlx-lm does after its own prefill
-                start = kv.keys.shape[2]
-            else:
-                cache = make_prompt_cache(self.model)
+            cache, start = self._prompt_cache(kv, prefix)
             if gen.seed is not None:
                 mx.random.seed(gen.seed)
             sampler, processors = make_sampling(gen, ids[:start], self.vocab_size)
             lead = _LeadingSpace(self.tokenizer)
+            fed = list(ids)
             for r in stream_generate(self.model, self.tokenizer, mx.array(ids[start:]), max_tokens=gen.max_tokens,
                                      sampler=sampler, logits_processors=processors, prompt_cache=cache,
                                      **self._kv_quant()):
+                fed.append(r.token)
                 emit(("token", {**_token_line(r, gen), "text": lead.fix(r.token, r.text)}, r.finish_reason))
                 if cancel.is_set():
                     break
+            self._keep(fed, cache)
         except Exception as e:  # reported to the caller as an error line, never a dead stream
             log.exception("generation failed")
             emit(("error", f"{type(e).__name__}: {e}"))
         finally:
             emit(None)
 
+
+    def _keep(self, fed: list[int], cache: list) -> None:
+        """Offer the finished cache to the prefix store: the next turn of this conversation starts from it."""
+        try:
+            self.prefixes.store(self.model_id, fed, cache)
+        except ValueError:  # a cache that does not match what was fed is a bug, but never worth the answer
+            log.exception("prefix store refused a finished generation's cache")
+
+    def _prompt_cache(self, kv, prefix) -> tuple[list, int]:
+        """(cache, tokens it holds): the reused prefix's copy extended by the received KV, or the received KV alone,
+        or the prefix alone (decode computes the rest), or an empty cache."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from backends.prefix_cache import PrefixStore
+        from kv_bridge.mlx_cache import append_kv, build_prompt_cache, quantize
+
+        if prefix is not None:
+            cache = PrefixStore.take(prefix)
+            if kv is not None:
+                append_kv(cache, kv.keys, kv.values, self.dtype)
+            return cache, prefix.tokens + (kv.keys.shape[2] if kv is not None else 0)
+        if kv is None:
+            return make_prompt_cache(self.model), 0
+        cache = build_prompt_cache(self.model, kv.keys, kv.values, self.dtype)
+        quantize(cache, self.kv_bits, self.kv_group_size)  # as mlx-lm does after its own prefill
+        return cache, kv.keys.shape[2]
 
     def _kv_quant(self) -> dict:
         if self.kv_bits is None:
@@ -123,7 +151,8 @@ class DecodeService:
     def __init__(self, settings: Settings, node: NodeConfig):
         self.settings, self.node = settings, node
         d = settings.decode
-        self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m)), d.kv_bits, d.kv_group_size)
+        self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m)), d.kv_bits, d.kv_group_size,
+                                      d.prefix_cache_bytes)
                        for m in settings.models if node.name in m.decode}
         if not self.models:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
@@ -172,18 +201,22 @@ class DecodeService:
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         if rid in self.receiver.transfers:
             raise NodeError(409, f"request_id {rid!r} is already in flight on this node", "duplicate_request")
+        # The decode node always runs the last prompt token itself, so a prefix covers at most len(ids) - 1.
+        prefix = m.prefixes.match(m.model_id, ids, kv_tokens or len(ids) - 1)
+        p = prefix.tokens if prefix is not None else 0
         try:
-            transfer = self.receiver.expect(rid, kv_tokens, m.spec) if kv_tokens else None
+            transfer = self.receiver.expect(rid, kv_tokens, m.spec, start=p) if kv_tokens > p else None
         except KVCapacityError as e:  # backpressure: the gateway tries another node, then answers 429
             raise NodeError(429, str(e), "kv_capacity", {"Retry-After": "1"}) from None
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         self.running += 1
         try:
             await resp.prepare(request)
-            await _line(resp, {"type": "accepted", "request_id": rid})
+            await _line(resp, {"type": "accepted", "request_id": rid, **({"kv_start": p} if kv_tokens else {})})
             t0 = time.perf_counter()
-            kv, done = await self._await_kv(transfer, kv_tokens)
-            await self._stream(resp, m, ids, kv, gen, done, t0)
+            kv, done = await self._await_kv(transfer, kv_tokens - p)
+            done["prefix_tokens"] = p
+            await self._stream(resp, m, ids, kv, gen, done, t0, prefix)
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("request %s: client went away", rid)
             raise
@@ -206,12 +239,12 @@ class DecodeService:
         done.update(kv_tokens=kv_tokens, kv_transfer_s=kv.seconds, kv_bytes=kv.nbytes)
         return kv, done
 
-    async def _stream(self, resp, m: MLXModel, ids, kv, gen: GenParams, done: dict, t0: float) -> None:
+    async def _stream(self, resp, m: MLXModel, ids, kv, gen: GenParams, done: dict, t0: float, prefix=None) -> None:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         emit = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)  # noqa: E731
-        fut = loop.run_in_executor(m.executor, m.generate, ids, kv, gen, emit, cancel)
+        fut = loop.run_in_executor(m.executor, m.generate, ids, kv, gen, emit, cancel, prefix)
         stops, n, finish, ttft = StopMatcher(gen.stop), 0, "length", None
         try:
             while (ev := await q.get()) is not None:
@@ -239,7 +272,8 @@ class DecodeService:
                     log.warning("generation still running %.0fs after it was cancelled", _STOP_WAIT_S)
         await fut
         await _line(resp, {"type": "done", "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
-                           "computed_tokens": len(ids) - done["kv_tokens"], "ttft_s": ttft or 0.0, **done})
+                           "computed_tokens": len(ids) - done["kv_tokens"] - done["prefix_tokens"],
+                           "ttft_s": ttft or 0.0, **done})
 
 
 async def _line(resp: web.StreamResponse, obj: dict) -> None:

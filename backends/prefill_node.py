@@ -1,7 +1,8 @@
 """Prefill node: an aiohttp service around vLLM's AsyncLLM, started with our KV connector.
 
-POST /v1/prefill runs vLLM over the tokens; the connector streams every layer's KV to the decode node's
-receiver while later layers compute. POST /v1/generate is vLLM alone (reference, no transfer).
+POST /v1/prefill runs vLLM over the tokens; the connector streams every layer's KV from token kv_start on (the
+decode node holds the ones before) to the decode node's receiver while later layers compute.
+POST /v1/generate is vLLM alone (reference, no transfer).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def engine_args(settings: Settings, route: ModelRoute):
         gpu_memory_utilization=settings.prefill.gpu_memory_utilization,
         enforce_eager=settings.prefill.enforce_eager,
         max_num_batched_tokens=settings.prefill.max_num_batched_tokens,
+        enable_prefix_caching=settings.prefill.enable_prefix_caching,
         kv_transfer_config=KVTransferConfig(
             kv_connector="DisaggConnector",
             kv_connector_module_path="kv_bridge.connector",
@@ -110,11 +112,15 @@ class PrefillService:
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         if not isinstance(target.get("host"), str) or not isinstance(target.get("port"), int):
             raise bad_request("kv_target must be {host: str, port: int}")
-        kvp = {"transfer_id": rid, "host": target["host"], "port": target["port"]}
+        start = body.get("kv_start", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids):
+            raise bad_request(f"kv_start must be an integer in [0, {len(ids)}) (len(token_ids)), got {start!r}")
+        kvp = {"transfer_id": rid, "host": target["host"], "port": target["port"], "start": start}
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kvp})
         t0 = time.perf_counter()
-        await self._run(engine, ids, params, f"prefill-{rid}")
-        return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0})
+        out = await self._run(engine, ids, params, f"prefill-{rid}")
+        return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0,
+                                  "cached_tokens": int(getattr(out, "num_cached_tokens", None) or 0)})
 
     async def generate(self, request: web.Request) -> web.Response:
         from vllm import SamplingParams

@@ -50,6 +50,10 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.kv_bytes = Counter("disagg_kv_transfer_bytes", "KV bytes received by decode nodes", ["model"], registry=r)
+        self.prefix_tokens = Counter(
+            "disagg_prefix_tokens", "Prompt tokens whose KV a decode node reused from an earlier request (not moved, "
+            "not recomputed)", ["model"], registry=r,
+        )
         self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
         self.generation_tokens = Counter("disagg_generation_tokens", "Tokens generated", ["model"], registry=r)
         self.running = Gauge("disagg_requests_running", "Requests generating now", ["model"], registry=r)
@@ -117,6 +121,8 @@ class RequestRecord:
             m.kv_transfer.labels(model).observe(done.kv_transfer_s)
         if done.kv_bytes > 0:
             m.kv_bytes.labels(model).inc(done.kv_bytes)
+        if done.prefix_tokens > 0:
+            m.prefix_tokens.labels(model).inc(done.prefix_tokens)
         if prefill_s is not None:
             m.prefill.labels(model).observe(prefill_s)
 

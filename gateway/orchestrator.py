@@ -1,5 +1,6 @@
 """One generation across nodes, per docs/protocol.md: open the decode stream, then (disaggregated path) ask a
-prefill node to push KV for prompt[:-1] to the decode node; abort the transfer if prefill fails. `Choices` runs
+prefill node to push KV for prompt[kv_start:-1] to the decode node (which holds the KV of the first kv_start
+tokens already; none to push when that is all of them); abort the transfer if prefill fails. `Choices` runs
 n such generations of one prompt concurrently and merges their streams.
 
 Fallbacks, in order, each counted in disagg_fallbacks_total{reason} and listed in x-disagg-fallbacks: another
@@ -81,6 +82,7 @@ class Done:
     fallback_reason: str | None
     kv_transfer_s: float
     kv_bytes: int
+    prefix_tokens: int = 0  # prompt tokens whose KV the decode node reused from an earlier request
 
     @classmethod
     def from_line(cls, msg: dict) -> "Done":
@@ -93,6 +95,7 @@ class Done:
                 fallback_reason=msg.get("fallback_reason") or None,
                 kv_transfer_s=float(msg.get("kv_transfer_s") or 0.0),
                 kv_bytes=int(msg.get("kv_bytes") or 0),
+                prefix_tokens=int(msg.get("prefix_tokens") or 0),
             )
         except (TypeError, ValueError):
             raise UpstreamError(f"decode node sent a malformed done line: {msg!r}") from None
@@ -121,6 +124,7 @@ class Generation:
         self.fallbacks = list(fallbacks or [])  # reasons, in the order they happened
         self.request_id = _new_request_id()
         self.kv_requested = prefill is not None
+        self.kv_start = 0  # leading prompt tokens whose KV the decode node already holds (its `accepted` line)
         self.done: Done | None = None
         self.prefill_s: float | None = None  # wall time of the prefill call, set when it answered 200
         self.prefill_ms = 0.0  # wall time of the prefill call, whatever it answered
@@ -142,13 +146,14 @@ class Generation:
             return self.planned_path
         if d.fallback_reason:
             return FALLBACK
-        return DISAGGREGATED if d.kv_tokens > 0 else LOCAL
+        return DISAGGREGATED if d.kv_tokens > 0 or d.prefix_tokens > 0 else LOCAL
 
     def headers(self) -> dict[str, str]:
         d = self.done
         out = {
             "x-disagg-path": self.path,
             "x-disagg-kv-tokens": str(d.kv_tokens if d else 0),
+            "x-disagg-prefix-tokens": str(d.prefix_tokens if d else 0),
             "x-disagg-prefill-ms": f"{self.prefill_ms:.1f}" if self.prefill_ms else "0",
             "x-disagg-decode-node": self.decode.name,
         }
@@ -176,8 +181,18 @@ class Generation:
             raise UpstreamError(f"decode node {self.decode.name} did not accept within {_ACCEPT_TIMEOUT_S:.0f}s") from None
         if first is None or first.get("type") != "accepted":
             raise UpstreamError(f"decode node {self.decode.name} did not accept the request: {first!r}")
-        if self.prefill is not None:
+        if self.kv_requested:
+            self.kv_start = self._kv_start(first)
+        if self.prefill is not None and self.kv_start < len(self.prompt) - 1:  # else decode holds all of it
             self._prefill_task = asyncio.create_task(self._run_prefill(self.prefill))
+
+    def _kv_start(self, accepted: dict) -> int:
+        """The decode node's `kv_start`: 0 (absent, an older node) up to the whole KV range, prompt[:-1]."""
+        p = accepted.get("kv_start", 0)
+        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= len(self.prompt) - 1:
+            raise UpstreamError(f"decode node {self.decode.name} sent kv_start {p!r} outside "
+                                f"[0, {len(self.prompt) - 1}]")
+        return p
 
     async def _reject(self, resp: aiohttp.ClientResponse) -> None:
         msg = await _error_text(resp)
@@ -260,6 +275,7 @@ class Generation:
         no KV reached the decode node, whose transfer is still waiting untouched."""
         payload = {
             "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt[:-1],
+            "kv_start": self.kv_start,
             "kv_target": self.decode.config.kv_target,
         }
         node.inflight += 1

@@ -179,8 +179,8 @@ class UpstreamGeneration:
                          kv_bytes=0)
 
     def headers(self) -> dict[str, str]:
-        out = {"x-disagg-path": UPSTREAM, "x-disagg-kv-tokens": "0", "x-disagg-prefill-ms": "0",
-               "x-disagg-decode-node": UPSTREAM}
+        out = {"x-disagg-path": UPSTREAM, "x-disagg-kv-tokens": "0", "x-disagg-prefix-tokens": "0",
+               "x-disagg-prefill-ms": "0", "x-disagg-decode-node": UPSTREAM}
         if self.fallbacks:
             out["x-disagg-fallbacks"] = ",".join(self.fallbacks)
         return out

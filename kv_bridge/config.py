@@ -119,6 +119,8 @@ class PrefillConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         default="auto", description="vLLM KV cache dtype; fp8 caches cross the wire as fp8 with their scales")
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
+    enable_prefix_caching: bool = Field(
+        default=True, description="vLLM's own prefix cache: a follow-up turn recomputes only its new tokens")
 
 
 class DecodeConfig(BaseModel):
@@ -126,6 +128,9 @@ class DecodeConfig(BaseModel):
     kv_bits: int | None = Field(
         default=None, description="4 or 8: quantize decode KV caches (mlx-lm QuantizedKVCache), bridged and local alike")
     kv_group_size: int = Field(default=64, description="32, 64 or 128")
+    prefix_cache_bytes: int = Field(
+        default=1 << 30, ge=0, description="finished conversations' KV kept for reuse (mlx-lm LRUPromptCache), so a "
+        "follow-up turn moves only the KV the node lacks; 0 turns prefix reuse off")
 
     @model_validator(mode="after")
     def _quantization(self) -> "DecodeConfig":

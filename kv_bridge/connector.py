@@ -1,7 +1,8 @@
 """vLLM KV-connector plugin (producer): streams each prefilled layer's KV to the decode node that asked for it.
 
 Loaded by vLLM through `kv_connector_module_path="kv_bridge.connector"`, `kv_connector="DisaggConnector"`.
-A request opts in with `SamplingParams(extra_args={"kv_transfer_params": {"transfer_id", "host", "port"}})`.
+A request opts in with `SamplingParams(extra_args={"kv_transfer_params": {"transfer_id", "host", "port"}})`,
+plus `"start": P` when the decode node already holds the KV of the first P tokens: only [P, total) is sent.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 @dataclass
 class SendSpec:
-    """One request's token range [start, end) computed in this step, to go to (host, port)."""
+    """One request's token range [start, end) read in this step, to go to (host, port); the stream covers
+    [kv_start, total) and opens with the first step that sends (`first`)."""
 
     req_id: str
     transfer_id: str
@@ -43,6 +45,7 @@ class SendSpec:
     end: int
     total: int
     first: bool
+    kv_start: int = 0
 
 
 @dataclass
@@ -56,6 +59,8 @@ class _ReqState:
     params: dict
     block_ids: list[int]
     total: int
+    start: int = 0  # tokens below this are not sent: the decode node already holds their KV
+    opened: bool = False  # a step has sent (and so opened the stream)
 
 
 def transfer_params(extra_args: dict | None) -> dict | None:
@@ -63,6 +68,12 @@ def transfer_params(extra_args: dict | None) -> dict | None:
     if isinstance(p, dict) and {"transfer_id", "host", "port"} <= p.keys():
         return p
     return None
+
+
+def send_start(params: dict, total: int) -> int | None:
+    """The first token to send, from kv_transfer_params["start"] (default 0); None unless it lies in [0, total)."""
+    start = params.get("start", 0)
+    return start if isinstance(start, int) and 0 <= start < total else None
 
 
 class DisaggConnector(KVConnectorBase_V1):
@@ -119,8 +130,8 @@ class DisaggConnector(KVConnectorBase_V1):
     def _open(self, s: SendSpec) -> None:
         hdr = wire.StreamHeader(transfer_id=s.transfer_id, fingerprint=self._spec["fingerprint"],
                                 num_layers=self._spec["num_layers"], num_kv_heads=self._spec["num_kv_heads"],
-                                head_dim=self._spec["head_dim"], dtype=self._extractor.wire_dtype, start=0,
-                                num_tokens=s.total)
+                                head_dim=self._spec["head_dim"], dtype=self._extractor.wire_dtype, start=s.kv_start,
+                                num_tokens=s.total - s.kv_start)
         self._sender.open(hdr, s.host, s.port)
         self._open_ids.add(s.transfer_id)
 
@@ -171,11 +182,18 @@ class DisaggConnector(KVConnectorBase_V1):
             params = transfer_params(nr.sampling_params.extra_args if nr.sampling_params else None)
             if params is None:
                 continue
-            st = _ReqState(params, list(nr.block_ids[0]), len(nr.prompt_token_ids or ()))
+            total = len(nr.prompt_token_ids or ())
+            start = send_start(params, total)
+            if start is None:  # the prefill node validates kv_start; never take the scheduler down over it
+                log.error("request %s: kv_transfer_params start %r outside [0, %d); not streaming its KV", nr.req_id,
+                          params.get("start"), total)
+                continue
+            st = _ReqState(params, list(nr.block_ids[0]), total, start)
             self._reqs[nr.req_id] = st
-            # start at 0 even on a prefix-cache hit: the decode node needs the cached prefix too
+            # From kv_start even on vLLM's own prefix-cache hit (computed tokens C > 0): the block table covers
+            # [0, end), so [kv_start, end) can be read whether kv_start is below or above C.
             end = min(nr.num_computed_tokens + so.num_scheduled_tokens[nr.req_id], st.total)
-            meta.sends.append(self._spec_for(nr.req_id, st, 0, end, first=True))
+            self._add_send(meta, nr.req_id, st, st.start, end)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -189,13 +207,17 @@ class DisaggConnector(KVConnectorBase_V1):
             start = cached.num_computed_tokens[i]
             if start < st.total:  # later chunks of a chunked prefill; decode steps send nothing
                 end = min(start + so.num_scheduled_tokens[rid], st.total)
-                meta.sends.append(self._spec_for(rid, st, start, end, first=False))
+                self._add_send(meta, rid, st, max(start, st.start), end)
         return meta
 
-    def _spec_for(self, rid: str, st: _ReqState, start: int, end: int, first: bool) -> SendSpec:
+    def _add_send(self, meta: DisaggConnectorMetadata, rid: str, st: _ReqState, start: int, end: int) -> None:
+        """Send [start, end) unless it is empty (a chunk wholly below kv_start); the first send opens the stream."""
+        if start >= end:
+            return
         p = st.params
-        return SendSpec(rid, str(p["transfer_id"]), str(p["host"]), int(p["port"]), list(st.block_ids),
-                        start, end, st.total, first)
+        meta.sends.append(SendSpec(rid, str(p["transfer_id"]), str(p["host"]), int(p["port"]), list(st.block_ids),
+                                   start, end, st.total, not st.opened, st.start))
+        st.opened = True
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)

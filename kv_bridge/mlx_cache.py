@@ -4,6 +4,7 @@ wire/ReceivedKV (L, H, T, D) per K and V, every layer covering prompt tokens [0,
   full-attention layer:   KVCache holding (1, H, T, D), offset T
   sliding layer (window W, keep k): RotatingKVCache(max_size=W, keep=k) holding the first k and the last
                           W - k tokens in temporal order (all T if T <= W), offset T, _idx = tokens held.
+KV for positions [P, T) after a reused prefix cache of P tokens: appended with `append_kv`.
 The cache class and its max_size/keep come from mlx-lm itself (model.make_cache / make_prompt_cache) and are
 cross-checked against the model family (kv_bridge/families/), which says how vLLM ran each layer.
 """
@@ -78,6 +79,20 @@ def build_prompt_cache(model, keys: np.ndarray, values: np.ndarray, dtype: mx.Dt
             raise ValueError(f"layer {i}: mlx-lm makes {have}, but the model family says vLLM ran it with "
                              f"window={spec.window}, keep={spec.keep}; the bridge cannot carry this KV")
     return caches
+
+
+def append_kv(cache: list, keys: np.ndarray, values: np.ndarray, dtype: mx.Dtype | None = None) -> list:
+    """Extend an mlx-lm cache list (e.g. a reused prefix's) by received (L, H, T, D) KV for the positions after it.
+
+    Goes through each cache's own update_and_fetch, exactly as mlx-lm's chunked prefill extends it, so KVCache,
+    RotatingKVCache (which trims to its window) and QuantizedKVCache (which quantizes) all stay consistent.
+    """
+    if len(cache) != keys.shape[0] or keys.shape != values.shape:
+        raise ValueError(f"received KV for {keys.shape[0]} layers, the cache has {len(cache)}")
+    for i, c in enumerate(cache):
+        c.update_and_fetch(_mx(keys[i], dtype), _mx(values[i], dtype))
+    mx.eval([c.state for c in cache])  # materialize now, not inside the first decode step
+    return cache
 
 
 def cache_kv(cache: list, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ class TransferError(RuntimeError):
 
 @dataclass
 class ReceivedKV:
-    """Complete KV for tokens [start, start + num_tokens): float32 keys/values shaped (L, H, T, D)."""
+    """Complete KV for prompt tokens [start, start + T): float32 keys/values shaped (L, H, T, D)."""
 
     start: int
     keys: np.ndarray
@@ -40,11 +40,16 @@ class ReceivedKV:
 
 
 class Transfer:
-    """One expected KV stream; `result()` waits for it to complete, fail or time out."""
+    """One expected KV stream of prompt tokens [start, num_tokens); `result()` waits for it to complete, fail or
+    time out. start > 0: the decode node already holds the prefix's KV (docs/protocol.md, kv_start)."""
 
-    def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig):
+    def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig, start: int = 0):
+        if not 0 <= start < num_tokens:
+            raise ValueError(f"a transfer covers tokens [start, num_tokens) with 0 <= start < num_tokens, "
+                             f"got [{start}, {num_tokens})")
         self.transfer_id = transfer_id
         self.num_tokens = num_tokens
+        self.start = start
         self.spec = spec  # fingerprint, num_layers, num_kv_heads, head_dim this node decodes with
         self.cfg = cfg
         self.future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
@@ -59,9 +64,9 @@ class Transfer:
         if mine != theirs:
             raise TransferError("kv_error", f"model mismatch: decode node has (fingerprint, layers, kv_heads, head_dim)"
                                 f"={mine}, prefill sent {theirs}")
-        if hdr.start != 0 or hdr.num_tokens != self.num_tokens:
+        if hdr.start != self.start or hdr.start + hdr.num_tokens != self.num_tokens:
             raise TransferError("kv_error", f"transfer declares tokens [{hdr.start}, {hdr.start + hdr.num_tokens}), "
-                                f"decode expects [0, {self.num_tokens})")
+                                f"decode expects [{self.start}, {self.num_tokens})")
         total = hdr.kv_bytes(hdr.num_tokens, itemsize=4) * hdr.num_layers  # arrives widened to float32
         if hdr.num_tokens > self.cfg.max_tokens or total > self.cfg.max_transfer_bytes:
             raise TransferError("kv_error", f"transfer of {hdr.num_tokens} tokens / {total} bytes is over the "
@@ -77,12 +82,13 @@ class Transfer:
         self._t0 = time.perf_counter()
 
     def add(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        n = k.shape[1]
-        if self._filled[layer, start:start + n].any():
+        """One frame; `start` is the absolute token position (wire.parse_kv checked it lies in the stream's range)."""
+        n, i = k.shape[1], start - self.start  # buffers hold tokens [self.start, num_tokens)
+        if self._filled[layer, i:i + n].any():
             raise wire.WireError(f"KV frame overlaps tokens already received (layer {layer}, start {start})")
-        self._keys[layer, :, start:start + n] = k
-        self._values[layer, :, start:start + n] = v
-        self._filled[layer, start:start + n] = True
+        self._keys[layer, :, i:i + n] = k
+        self._values[layer, :, i:i + n] = v
+        self._filled[layer, i:i + n] = True
         self._bytes += self._hdr.kv_bytes(n)  # bytes as they crossed the network
 
     def views(self, layer: int, start: int, count: int) -> list[memoryview]:
@@ -104,7 +110,7 @@ class Transfer:
         if not self._filled.all():
             missing = int((~self._filled).sum())
             raise wire.WireError(f"DONE before all KV arrived ({missing} layer-tokens missing)")
-        self._resolve(ReceivedKV(0, self._keys, self._values, self._bytes, time.perf_counter() - self._t0))
+        self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0))
 
     def fail(self, reason: str, message: str) -> None:
         if not self.future.done():
@@ -158,16 +164,17 @@ class KVReceiver:
         for t in list(self.transfers.values()):
             t.fail("kv_aborted", "decode node shutting down")
 
-    def expect(self, transfer_id: str, num_tokens: int, spec: dict) -> Transfer:
-        """Register a transfer; KVCapacityError when its KV would put the node over `kv.max_inflight_bytes`."""
+    def expect(self, transfer_id: str, num_tokens: int, spec: dict, start: int = 0) -> Transfer:
+        """Register the transfer of prompt tokens [start, num_tokens) before the prefill side connects;
+        KVCapacityError when its KV would put the node over `kv.max_inflight_bytes`."""
         if transfer_id in self.transfers:
             raise ValueError(f"transfer {transfer_id!r} is already registered")
-        need = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * num_tokens * 4  # float32 K and V
+        need = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * (num_tokens - start) * 4  # f32 K, V
         held = self.inflight_bytes
         if held + need > self.cfg.max_inflight_bytes:
             raise KVCapacityError(f"this decode node holds {held} bytes of in-flight KV; {need} more would pass its "
                                   f"kv.max_inflight_bytes of {self.cfg.max_inflight_bytes}")
-        t = Transfer(transfer_id, num_tokens, spec, self.cfg)
+        t = Transfer(transfer_id, num_tokens, spec, self.cfg, start)
         self.transfers[transfer_id] = t
         self._reserved[transfer_id] = need
         return t

