@@ -117,6 +117,8 @@ class DecodeConfig(BaseModel):
     kv_bits: int | None = Field(
         default=None, description="4 or 8: quantize decode KV caches (mlx-lm QuantizedKVCache), bridged and local alike")
     kv_group_size: int = Field(default=64, description="32, 64 or 128")
+    max_batch_size: int = Field(default=32, ge=1, description="most generations one model decodes in a batch; "
+                                "more wait their turn (mlx-lm BatchGenerator completion_batch_size)")
 
     @model_validator(mode="after")
     def _quantization(self) -> "DecodeConfig":
