@@ -325,6 +325,7 @@ class DecodeService:
         ms = self.models.values()
         return {"role": "decode", "models": list(self.models), "running": self.running, "kv_port": self.node.kv_port,
                 "batch_size": sum(m.batch_size for m in ms), "cache_bytes": sum(m.cache_bytes for m in ms),
+                "kv_transfers": len(self.receiver.transfers),
                 "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()}}
 
     def _parse(self, body: dict) -> tuple[MLXModel, list[int], int, GenParams]:
@@ -450,4 +451,6 @@ def serve(settings: Settings, node: NodeConfig) -> None:
         return web.json_response({"aborted": t is not None})
 
     app.router.add_post("/v1/transfers/{rid}/abort", abort)
-    run_app(app, node)
+    # A client that leaves cancels its handler at once, even while it only waits for KV (no write to fail yet):
+    # its transfer is forgotten and its job leaves the batch at the next step.
+    run_app(app, node, handler_cancellation=True)

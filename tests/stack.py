@@ -23,7 +23,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8) -> Path:
+def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8,
+                 model_dir: Path = MODEL_DIR) -> Path:
     ports = {k: free_port() for k in ("gateway", "prefill", "decode", "kv")}
     text = f"""
 [gateway]
@@ -49,7 +50,7 @@ kv_port = {ports['kv']}
 
 [[models]]
 id = "{MODEL_ID}"
-path = "{MODEL_DIR}"
+path = "{model_dir}"
 prefill = ["prefill-0"]
 decode = ["decode-0"]
 max_model_len = 4096
