@@ -42,8 +42,8 @@ class Job:
     the tokens before `tokens`. None: a fresh cache, the whole prompt is in `tokens`. `emit` gets
     ("token", line, finish_reason) per token or ("error", message), then None once the job has left the loop and
     its cache is freed. `on_finished(tokens, cache)` (MLX thread, must not block) gets the final per-request cache
-    and the tokens it holds (prompt + generated, less the last sampled token, which was never run), for a
-    finished or cancelled batched request.
+    and the tokens it holds (history + prompt + every token delivered: BatchGenerator delivers a token once it
+    has run it), for a finished or cancelled batched request.
     """
 
     tokens: list[int]

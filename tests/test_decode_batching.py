@@ -235,3 +235,44 @@ def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
         assert out["done"]["kv_tokens"] == (len(ids[i]) - 1 if i in bridged else 0), out["done"]
         assert out["done"]["fallback_reason"] is None
     assert h["running"] == 0 and h["batch_size"] == 0 and h["cache_bytes"] == 0
+
+
+def test_finished_cache_continues_like_mlx_alone(mlx_ref):
+    """The prefix-reuse hook: a finished job hands over its cache and the tokens it holds (prompt + generated);
+    a new job started from that cache, running only what follows, decodes exactly as MLX alone on everything."""
+    from backends.decode_node import Job, MLXModel
+    from backends.sampling import GenParams
+
+    _, tok = mlx_ref
+    m = MLXModel(MODEL_ID, str(MODEL_DIR))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(m.executor, m.load)
+        m.start()
+
+        async def run(tokens, max_tokens, **kw):
+            q, handed = asyncio.Queue(), []
+            job = Job(tokens=tokens, gen=GenParams(max_tokens=max_tokens), **kw,
+                      emit=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev),
+                      on_finished=lambda toks, cache: handed.append((toks, cache)))
+            m.submit(job)
+            out = []
+            while (ev := await q.get()) is not None:
+                out.append(ev[1]["token_id"])
+            return out, handed
+
+        prompt = prompt_ids(tok, "The three primary colours are")
+        first, handed = await run(prompt, 6)
+        (held, cache), = handed
+        follow = prompt_ids(tok, " Also,")
+        second, _ = await run(follow, 8, make_cache=lambda: cache, history=held)
+        return first, held, cache, follow, second
+
+    try:
+        first, held, cache, follow, second = run(main())
+    finally:
+        m.stop()
+    assert held == prompt_ids(tok, "The three primary colours are") + first
+    assert all(c.offset == len(held) for c in cache)
+    assert second == mlx_alone(mlx_ref, held + follow, 8)
