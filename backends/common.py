@@ -99,7 +99,7 @@ def node_app(health: Callable[[], dict], on_start: Callable[[web.Application], A
     return app
 
 
-def run_app(app: web.Application, node: NodeConfig) -> None:
+def run_app(app: web.Application, node: NodeConfig, **kw) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {node.name} %(levelname)s %(name)s: %(message)s")
     web.run_app(app, host=node.host, port=node.port, print=lambda *a: log.info("%s listening on %s", node.name, node.url),
-                shutdown_timeout=5)
+                shutdown_timeout=5, **kw)

@@ -89,14 +89,18 @@ def _bias(value) -> dict[int, float]:
 
 
 def make_sampling(gen: GenParams, history: list[int], vocab_size: int):
-    """(sampler, logits_processors) for mlx-lm's stream_generate. `history`: prompt tokens stream_generate will
-    not see (their KV came from prefill), so penalties look at the same window on every path. MLX thread only."""
+    """(sampler, logits_processors) for mlx-lm's stream_generate or BatchGenerator. `history`: prompt tokens the
+    generator will not see (their KV came from prefill), so penalties look at the same window on every path; pass []
+    to BatchGenerator, which takes them as all_tokens. A seeded sampler has its own key. MLX thread only."""
     import mlx.core as mx
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     # mlx-lm's top-k refuses k >= vocab; such a k keeps every token anyway.
     top_k = gen.top_k if gen.top_k < vocab_size else 0
-    sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p, min_p=gen.min_p, top_k=top_k)
+    if gen.seed is not None and gen.temperature > 0:
+        sampler = _seeded_sampler(gen, top_k)
+    else:
+        sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p, min_p=gen.min_p, top_k=top_k)
     processors = make_logits_processors(
         logit_bias=gen.logit_bias or None,
         repetition_penalty=None if gen.repetition_penalty == 1.0 else gen.repetition_penalty,
@@ -108,6 +112,35 @@ def make_sampling(gen: GenParams, history: list[int], vocab_size: int):
         prefix = mx.array(history[-PENALTY_CONTEXT:])
         processors = [_with_history(p, prefix) for p in processors]
     return sampler, processors
+
+
+def _seeded_sampler(gen: GenParams, top_k: int):
+    """make_sampler's chain (top_p, min_p, top_k, then temperature) drawing from the request's own key.
+
+    mlx-lm's categorical sampling draws from MLX's global generator, which every request in a batch shares, so a
+    seed there would not repeat once other requests draw in between. This sampler splits its own key per token:
+    a seeded request gives the same tokens alone or batched with anything.
+    """
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    filters = []
+    if 0 < gen.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, gen.top_p))
+    if gen.min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, gen.min_p))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    key = mx.random.key(gen.seed)
+
+    def sampler(logprobs):
+        nonlocal key
+        key, draw = mx.random.split(key)
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / gen.temperature), key=draw)
+
+    return sampler
 
 
 def _with_history(processor, prefix):

@@ -131,6 +131,8 @@ class DecodeConfig(BaseModel):
     prefix_cache_bytes: int = Field(
         default=1 << 30, ge=0, description="finished conversations' KV kept for reuse (mlx-lm LRUPromptCache), so a "
         "follow-up turn moves only the KV the node lacks; 0 turns prefix reuse off")
+    max_batch_size: int = Field(default=32, ge=1, description="most generations one model decodes in a batch; "
+                                "more wait their turn (mlx-lm BatchGenerator completion_batch_size)")
 
     @model_validator(mode="after")
     def _quantization(self) -> "DecodeConfig":

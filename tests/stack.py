@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
-                 kv_advertise_port: dict[str, int] | None = None, prefix_cache_bytes: int = 0) -> Path:
+                 kv_advertise_port: dict[str, int] | None = None, prefix_cache_bytes: int = 0,
+                 model_dir: Path = MODEL_DIR) -> Path:
     """A stack config on free ports. decode_nodes: decode-0, decode-1, ... all serving the model.
     kv_advertise_port: decode node name -> the port prefill nodes are told to send its KV to (a relay in front of
     its kv_port). Decode-side prefix reuse is off unless asked for: tests that pin how many KV tokens cross must
@@ -61,7 +62,7 @@ port = {ports['prefill']}
 {decoders}
 [[models]]
 id = "{MODEL_ID}"
-path = "{MODEL_DIR}"
+path = "{model_dir}"
 prefill = ["prefill-0"]
 decode = [{decode_names}]
 max_model_len = 4096

@@ -135,3 +135,19 @@ def test_token_logprobs_never_infinite():
     lp = mx.array([0.0] + [-float("inf")] * (VOCAB - 1))
     chosen, top = token_logprobs(lp, 3, 2)
     assert chosen == -9999.0 and top[0] == [0, 0.0] and top[1][1] == -9999.0
+
+
+def test_seeded_sampler_has_its_own_key():
+    """A seeded request repeats whatever its batch neighbours draw from MLX's global generator in between."""
+    logits = mx.zeros((1, VOCAB))
+
+    def draw(seed: int, neighbours: bool) -> list[int]:
+        sampler, _ = make_sampling(GenParams(temperature=1.0, top_p=0.9, seed=seed), [], VOCAB)
+        out = []
+        for _ in range(10):
+            if neighbours:
+                mx.random.categorical(logits)  # another request's draw from the global generator
+            out.append(sampler(logits).item())
+        return out
+
+    assert draw(5, False) == draw(5, True) != draw(6, False)

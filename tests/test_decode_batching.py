@@ -1,0 +1,278 @@
+"""Continuous batching on the real decode node: concurrent requests join and leave one mlx-lm BatchGenerator and
+each gets exactly what it gets alone (and what MLX alone gives); cancelling one leaves the others untouched;
+requests whose KV arrives over the bridge batch with locally prefilled ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import aiohttp
+import numpy as np
+import pytest
+
+from kv_bridge import wire
+from kv_bridge.fingerprint import kv_spec
+from kv_bridge.sender import KVSender
+from stack import MODEL_DIR, MODEL_ID, Stack
+
+pytestmark = pytest.mark.e2e
+
+# (prompt, max_tokens, stop): different lengths, budgets and stop strings.
+CASES = [
+    ("The capital of France is", 12, []),
+    ("Once upon a time, in a small village,", 20, ["."]),
+    ("def fibonacci(n):", 16, []),
+    ("1, 2, 3, 4,", 9, [" 8"]),
+    ("Water boils at", 14, []),
+    ("My favourite colour is", 7, ["\n"]),
+]
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory):
+    """A real decode node process, alone (no prefill node: local prefill, or KV this test sends itself)."""
+    s = Stack(tmp_path_factory.mktemp("batching"))
+    try:
+        s.start("decode-0")
+        yield s
+    finally:
+        s.stop()
+
+
+def body(ids: list[int], max_tokens: int, stop=(), **extra) -> dict:
+    return {"request_id": uuid.uuid4().hex, "model": MODEL_ID, "token_ids": ids, "max_tokens": max_tokens,
+            "temperature": 0, "stop": list(stop), **extra}
+
+
+async def generate(session, stack, req: dict, on_token=None, cancel_after: int | None = None,
+                   on_accepted=None) -> dict:
+    """One /v1/generate; returns {"ids", "text", "done"}. `cancel_after` tokens: disconnect mid-stream."""
+    ids, text, done = [], "", None
+    async with session.post(stack.url("decode-0") + "/v1/generate", json=req) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            ev = json.loads(raw)
+            if ev["type"] == "accepted" and on_accepted is not None:
+                await on_accepted()
+            elif ev["type"] == "token":
+                ids.append(ev["token_id"])
+                text += ev["text"]
+                if on_token is not None:
+                    await on_token(len(ids))
+                if cancel_after is not None and len(ids) >= cancel_after:
+                    r.close()  # the client leaves mid-stream
+                    break
+            elif ev["type"] in ("done", "error"):
+                done = ev
+    return {"ids": ids, "text": text, "done": done}
+
+
+async def health(session, stack) -> dict:
+    async with session.get(stack.url("decode-0") + "/health") as r:
+        return await r.json()
+
+
+async def settled(session, stack, timeout: float = 60) -> dict:
+    """/health once nothing runs any more (a cancelled job leaves at the loop's next step)."""
+    for _ in range(int(timeout / 0.1)):
+        h = await health(session, stack)
+        if h["running"] == 0 and h["batch_size"] == 0:
+            return h
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"decode node never settled: {h}")
+
+
+def prompt_ids(tok, prompt: str) -> list[int]:
+    return tok.encode(prompt)
+
+
+def mlx_alone(mlx_ref, ids: list[int], max_tokens: int) -> list[int]:
+    """MLX alone (mlx_lm.stream_generate in this process): the independent greedy reference."""
+    from mlx_lm import stream_generate
+
+    model, tok = mlx_ref
+    return [r.token for r in stream_generate(model, tok, ids, max_tokens=max_tokens)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def one_by_one(stack, reqs: list[dict]) -> list[dict]:
+    async with aiohttp.ClientSession() as s:
+        return [await generate(s, stack, r) for r in reqs]
+
+
+async def all_at_once(stack, reqs: list[dict]) -> list[dict]:
+    async with aiohttp.ClientSession() as s:
+        return await asyncio.gather(*(generate(s, stack, r) for r in reqs))
+
+
+def test_concurrent_requests_equal_each_alone_and_mlx_alone(decode, mlx_ref):
+    _, tok = mlx_ref
+    reqs = [body(prompt_ids(tok, p), n, stop) for p, n, stop in CASES]
+    seeded = body(prompt_ids(tok, "Tell me a story:"), 10, temperature=0.9, seed=7)  # own key: repeats batched
+    alone = run(one_by_one(decode, [*reqs, seeded]))
+    together = run(all_at_once(decode, [*reqs, seeded]))
+    for (prompt, n, stop), a, b in zip(CASES, alone, together):
+        assert b["ids"] == a["ids"] and b["text"] == a["text"], prompt
+        assert b["done"]["finish_reason"] == a["done"]["finish_reason"]
+        ref = mlx_alone(mlx_ref, prompt_ids(tok, prompt), n)
+        if stop and a["done"]["finish_reason"] == "stop" and len(a["ids"]) < len(ref):  # cut at the stop string
+            assert a["ids"] == ref[:len(a["ids"])] and any(s in tok.decode(ref) for s in stop), prompt
+        else:
+            assert a["ids"] == ref, prompt
+    assert together[-1]["ids"] == alone[-1]["ids"] and len(alone[-1]["ids"]) == 10
+    assert any(len(a["ids"]) < n for (_, n, _), a in zip(CASES, alone))  # some stop string was really hit
+
+
+def test_short_request_overtakes_long_one(decode, mlx_ref):
+    """Requests overlap: one started while a long one runs finishes first, and both were in the batch at once."""
+    _, tok = mlx_ref
+    long_started, order, sizes = asyncio.Event(), [], []
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async def started(n):
+                long_started.set()
+
+            async def seen(n):
+                if n == 1:  # the short one is in the batch; the long one has far to go
+                    sizes.append((await health(s, decode))["batch_size"])
+
+            async def long():
+                await generate(s, decode, body(prompt_ids(tok, "A long essay about rivers:"), 120), started)
+                order.append("long")
+
+            async def short():
+                await long_started.wait()
+                await generate(s, decode, body(prompt_ids(tok, "Hello"), 12), seen)
+                order.append("short")
+
+            await asyncio.gather(long(), short())
+            return await settled(s, decode)
+
+    h = run(main())
+    assert order == ["short", "long"]
+    assert sizes and sizes[0] >= 2
+    assert h["running"] == 0 and h["batch_size"] == 0 and h["cache_bytes"] == 0
+
+
+def test_cancelled_request_leaves_the_others_unchanged(decode, mlx_ref):
+    _, tok = mlx_ref
+    reqs = [body(prompt_ids(tok, p), n, stop) for p, n, stop in CASES[:3]]
+    victim = body(prompt_ids(tok, "Count slowly from one to a hundred:"), 200)
+    alone = run(one_by_one(decode, reqs))
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            outs = await asyncio.gather(generate(s, decode, victim, cancel_after=3),
+                                        *(generate(s, decode, r) for r in reqs))
+            return outs, await settled(s, decode)
+
+    (cancelled, *others), h = run(main())
+    assert len(cancelled["ids"]) == 3 and cancelled["done"] is None
+    assert [o["ids"] for o in others] == [a["ids"] for a in alone]
+    assert h["running"] == 0 and h["batch_size"] == 0 and h["cache_bytes"] == 0  # the victim's cache is freed
+
+
+def mlx_kv(model, ids: list[int]):
+    """MLX's own prefill of `ids` as (L, H, T, D) float32: the KV a prefill node would send."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kv_bridge.mlx_cache import cache_kv
+
+    cache = make_prompt_cache(model)
+    model(mx.array(ids)[None], cache=cache)
+    return cache_kv(cache, len(ids))
+
+
+def send_kv(port: int, tid: str, keys: np.ndarray, values: np.ndarray) -> None:
+    """Stream KV to the decode node's receiver with the bridge's real sender (one frame per layer)."""
+    spec = kv_spec(MODEL_DIR)
+    hdr = wire.StreamHeader(transfer_id=tid, fingerprint=spec["fingerprint"], num_layers=spec["num_layers"],
+                            num_kv_heads=spec["num_kv_heads"], head_dim=spec["head_dim"], dtype="float32", start=0,
+                            num_tokens=keys.shape[2])
+    sender = KVSender()
+    try:
+        sender.open(hdr, "127.0.0.1", port)
+        for layer in range(keys.shape[0]):
+            sender.send_layer(tid, layer, 0, np.ascontiguousarray(keys[layer]), np.ascontiguousarray(values[layer]))
+        sender.close(tid)
+        sender.flush()
+    finally:
+        sender.shutdown()
+
+
+def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
+    model, tok = mlx_ref
+    prompts = ["The tallest mountain in the world is", "Paris is a city that", "Here is a haiku about snow:",
+               "The recipe needs flour, eggs and"]
+    ids = [prompt_ids(tok, p) for p in prompts]
+    bridged = {0, 2}
+    kv = {i: mlx_kv(model, ids[i][:-1]) for i in bridged}
+    kv_port = decode.settings.node("decode-0").kv_port
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async def one(i):
+                if i not in bridged:
+                    return await generate(s, decode, body(ids[i], 15))
+                req = body(ids[i], 15, kv={"tokens": len(ids[i]) - 1})
+                # The transfer is registered once the node accepted: send the KV then, like a prefill node.
+                send = lambda: asyncio.to_thread(send_kv, kv_port, req["request_id"], *kv[i])  # noqa: E731
+                return await generate(s, decode, req, on_accepted=send)
+
+            outs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            return outs, await settled(s, decode)
+
+    outs, h = run(main())
+    for i, out in enumerate(outs):
+        assert out["ids"] == mlx_alone(mlx_ref, ids[i], 15), prompts[i]
+        assert out["done"]["kv_tokens"] == (len(ids[i]) - 1 if i in bridged else 0), out["done"]
+        assert out["done"]["fallback_reason"] is None
+    assert h["running"] == 0 and h["batch_size"] == 0 and h["cache_bytes"] == 0
+
+
+def test_finished_cache_continues_like_mlx_alone(mlx_ref):
+    """The prefix-reuse hook: a finished job hands over its cache and the tokens it holds (prompt + generated);
+    a new job started from that cache, running only what follows, decodes exactly as MLX alone on everything."""
+    from backends.decode_node import Job, MLXModel
+    from backends.sampling import GenParams
+
+    _, tok = mlx_ref
+    m = MLXModel(MODEL_ID, str(MODEL_DIR))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(m.executor, m.load)
+        m.start()
+
+        async def run(tokens, max_tokens, **kw):
+            q, handed = asyncio.Queue(), []
+            job = Job(tokens=tokens, gen=GenParams(max_tokens=max_tokens), **kw,
+                      emit=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev),
+                      on_finished=lambda toks, cache: handed.append((toks, cache)))
+            m.submit(job)
+            out = []
+            while (ev := await q.get()) is not None:
+                out.append(ev[1]["token_id"])
+            return out, handed
+
+        prompt = prompt_ids(tok, "The three primary colours are")
+        first, handed = await run(prompt, 6)
+        (held, cache), = handed
+        follow = prompt_ids(tok, " Also,")
+        second, _ = await run(follow, 8, make_cache=lambda: cache, history=held)
+        return first, held, cache, follow, second
+
+    try:
+        first, held, cache, follow, second = run(main())
+    finally:
+        m.stop()
+    assert held == prompt_ids(tok, "The three primary colours are") + first
+    assert all(c.offset == len(held) for c in cache)
+    assert second == mlx_alone(mlx_ref, held + follow, 8)
