@@ -360,7 +360,7 @@ class DecodeService:
             await _line(resp, {"type": "accepted", "request_id": rid})
             t0 = time.perf_counter()
             kv, done = await self._await_kv(transfer, kv_tokens)
-            await self._stream(resp, m, self._job(m, ids, kv, gen), done, t0, len(ids))
+            await self._stream(resp, m, ids, kv, gen, done, t0)
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("request %s: client went away", rid)
             raise
@@ -370,11 +370,11 @@ class DecodeService:
                 self.receiver.forget(rid)
         return resp
 
-    def _job(self, m: MLXModel, ids: list[int], kv, gen: GenParams) -> Job:
+    def _job(self, m: MLXModel, ids: list[int], kv, gen: GenParams, emit) -> Job:
         """The MLX job for a prompt: received KV becomes its initial cache and only ids[start:] run."""
         start = 0 if kv is None else kv.keys.shape[2]
         finished = self.on_finished
-        return Job(tokens=ids[start:], gen=gen, emit=None, history=ids[:start],
+        return Job(tokens=ids[start:], gen=gen, emit=emit, history=ids[:start],
                    make_cache=None if kv is None else (lambda: m.bridged_cache(kv)),
                    on_finished=None if finished is None else (lambda toks, cache: finished(m.model_id, toks, cache)))
 
@@ -391,7 +391,7 @@ class DecodeService:
         done.update(kv_tokens=kv_tokens, kv_transfer_s=kv.seconds, kv_bytes=kv.nbytes)
         return kv, done
 
-    async def _stream(self, resp, m: MLXModel, job: Job, done: dict, t0: float, prompt_tokens: int) -> None:
+    async def _stream(self, resp, m: MLXModel, ids: list[int], kv, gen: GenParams, done: dict, t0: float) -> None:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         freed = asyncio.Event()
@@ -401,7 +401,7 @@ class DecodeService:
             if ev is None:
                 freed.set()
 
-        job.emit = lambda ev: loop.call_soon_threadsafe(put, ev)
+        job = self._job(m, ids, kv, gen, lambda ev: loop.call_soon_threadsafe(put, ev))
         m.submit(job)
         stops, n, finish, ttft, error = StopMatcher(job.gen.stop), 0, "length", None, None
         try:
@@ -429,8 +429,8 @@ class DecodeService:
         if error is not None:
             await _line(resp, {"type": "error", "message": error})
             return
-        await _line(resp, {"type": "done", "finish_reason": finish, "prompt_tokens": prompt_tokens,
-                           "completion_tokens": n, "computed_tokens": prompt_tokens - done["kv_tokens"],
+        await _line(resp, {"type": "done", "finish_reason": finish, "prompt_tokens": len(ids),
+                           "completion_tokens": n, "computed_tokens": len(ids) - done["kv_tokens"],
                            "ttft_s": ttft or 0.0, **done})
 
 
