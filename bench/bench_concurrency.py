@@ -97,6 +97,8 @@ async def round_(client, stack, fn, prompts: Prompts, first_tag: int, c: int, ma
 
 
 def report(results: dict[int, dict[str, dict]], prompt_len: int, args) -> None:
+    if set(args.modes) != set(MODES):
+        return  # the per-round lines above are the result
     print(f"\nmachine: nproc {len(os.sched_getaffinity(0))} (shared with other work: numbers are noisy); prompt "
           f"{prompt_len} tokens, max_tokens {args.max_tokens}, greedy; one round per level and mode")
     print(f"{'conc':>5}  " + "".join(f"{m + ' tok/s':>18}{'TTFT p50 s':>12}" for m in MODES))
@@ -117,11 +119,12 @@ def _f(x: float) -> str:
 async def measure(stack: Stack, prompts: Prompts, warm: Prompts, args) -> dict[int, dict[str, dict]]:
     results, tag = {}, 1000
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS) as client:
-        for fn in MODES.values():  # first-request costs (compilation, connections) land on no side
+        modes = {m: MODES[m] for m in args.modes}
+        for fn in modes.values():  # first-request costs (compilation, connections) land on no side
             await fn(client, stack, warm, -1, 4)
         for c in args.levels:
             results[c] = {}
-            for mode, fn in MODES.items():
+            for mode, fn in modes.items():
                 r = await round_(client, stack, fn, prompts, tag, c, args.max_tokens)
                 tag += c  # fresh prompts for every request
                 results[c][mode] = r
@@ -135,6 +138,8 @@ def main() -> None:
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+                    help="a subset of split,mlx-alone,vllm-alone (the ratios need mlx-alone)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
