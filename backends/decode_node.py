@@ -113,12 +113,16 @@ class MLXModel:
         from backends.prefix_cache import PrefixStore
         from kv_bridge.mlx_cache import append_kv
 
-        if prefix is None:
-            return self.bridged_cache(kv)
-        cache = PrefixStore.take(prefix)
-        if kv is not None:
-            append_kv(cache, kv.keys, kv.values, self.dtype)
-        return cache
+        try:
+            if prefix is None:
+                return self.bridged_cache(kv)
+            cache = PrefixStore.take(prefix)
+            if kv is not None:
+                append_kv(cache, kv.keys, kv.values, self.dtype)
+            return cache
+        finally:
+            if kv is not None:  # MLX copied the KV: the receive buffers can serve the next transfer
+                kv.release()
 
     def keep(self, tokens: list[int], cache: list) -> None:
         """MLX thread (on_finished): offer a finished generation's cache to the prefix store for the next turn."""

@@ -79,6 +79,7 @@ def bridge_once(lt: LoopThread, rx: KVReceiver, sender: KVSender, port: int, lay
     got = lt.call(t.result(120))
     dt = time.perf_counter() - t0
     rx.transfers.pop(tag, None)
+    got.release()  # as the decode node does once MLX has copied the KV: the buffers serve the next transfer
     return dt, got.nbytes
 
 

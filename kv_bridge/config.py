@@ -150,6 +150,9 @@ class KVConfig(BaseModel):
     max_inflight_bytes: int = Field(
         default=8 << 30, ge=1024, description="decode node: most KV (as float32) its open transfers and the requests "
         "they feed may hold at once; a request over it gets 429 and the gateway tries another node")
+    pool_bytes: int = Field(
+        default=2 << 30, ge=0, description="decode node: idle receive buffers kept for the next transfers (a fresh "
+        "buffer is paid in page faults as the KV lands); 0 allocates every transfer anew")
     queue_frames: int = Field(default=256, ge=1, description="sender queue bound (frames) before the forward waits")
     connect_timeout_s: float = Field(default=5.0, gt=0)
     wire_dtype: Literal["auto", "float8_e4m3"] = Field(

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -28,6 +30,43 @@ class TransferError(RuntimeError):
         self.reason = reason
 
 
+class BufferPool:
+    """float32 receive buffers reused across transfers, up to `max_bytes` of idle ones.
+
+    A fresh buffer costs a page fault per page as the KV lands in it, and on Linux with transparent huge pages
+    sometimes a compaction stall: `bench/bench_transfer.py` saw 0.1-0.9 s for 377 MB. A buffer comes back only
+    through `ReceivedKV.release()`, once its consumer has copied the KV out (never from a failed transfer, whose
+    connection may still be writing into it). Thread-safe: the MLX thread releases what the event loop took.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[np.ndarray] = []  # 1-D float32, smallest first
+        self._lock = threading.Lock()
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+    def take(self, n: int) -> np.ndarray:
+        """A 1-D float32 buffer of at least n elements (at most twice that, so small transfers do not pin big ones)."""
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if n <= b.size <= 2 * n:
+                    return self._free.pop(i)
+        return np.empty(n, np.float32)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if buf.nbytes > self.max_bytes:
+                return
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.size)
+            while sum(b.nbytes for b in self._free) > self.max_bytes:
+                self._free.pop(0)  # keep the big ones: they are the expensive ones to fault in
+
+
 @dataclass
 class ReceivedKV:
     """Complete KV for prompt tokens [start, start + T): float32 keys/values shaped (L, H, T, D)."""
@@ -37,13 +76,22 @@ class ReceivedKV:
     values: np.ndarray
     nbytes: int
     seconds: float  # first byte of the stream until it was complete
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """The KV has been copied out: its buffers go back to the receiver's pool. keys/values are unusable after."""
+        release, self._release = self._release, None
+        self.keys = self.values = None
+        if release is not None:
+            release()
 
 
 class Transfer:
     """One expected KV stream of prompt tokens [start, num_tokens); `result()` waits for it to complete, fail or
     time out. start > 0: the decode node already holds the prefix's KV (docs/protocol.md, kv_start)."""
 
-    def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig, start: int = 0):
+    def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig, start: int = 0,
+                 pool: BufferPool | None = None):
         if not 0 <= start < num_tokens:
             raise ValueError(f"a transfer covers tokens [start, num_tokens) with 0 <= start < num_tokens, "
                              f"got [{start}, {num_tokens})")
@@ -52,6 +100,8 @@ class Transfer:
         self.start = start
         self.spec = spec  # fingerprint, num_layers, num_kv_heads, head_dim this node decodes with
         self.cfg = cfg
+        self.pool = pool
+        self._bufs: tuple[np.ndarray, np.ndarray] | None = None  # pooled 1-D buffers behind _keys, _values
         self.future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are read via result()
         self._keys = self._values = self._filled = self._hdr = None
@@ -76,7 +126,12 @@ class Transfer:
         if self._hdr is not None:  # a second HEADER (a replay) must not reset buffers the first stream fills
             raise TransferError("kv_error", "transfer is already streaming on another connection")
         shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
-        self._keys, self._values = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        if self.pool is None:
+            self._keys, self._values = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        else:
+            n = int(np.prod(shape))
+            self._bufs = (self.pool.take(n), self.pool.take(n))
+            self._keys, self._values = (b[:n].reshape(shape) for b in self._bufs)
         self._filled = np.zeros((hdr.num_layers, hdr.num_tokens), dtype=bool)
         self._hdr = hdr
         self._t0 = time.perf_counter()
@@ -110,7 +165,10 @@ class Transfer:
         if not self._filled.all():
             missing = int((~self._filled).sum())
             raise wire.WireError(f"DONE before all KV arrived ({missing} layer-tokens missing)")
-        self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0))
+        bufs, pool = self._bufs, self.pool
+        release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
+        self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
+                                 release))
 
     def fail(self, reason: str, message: str) -> None:
         if not self.future.done():
@@ -147,6 +205,7 @@ class KVReceiver:
         self.require_frame_mac = frame_mac
         self.transfers: dict[str, Transfer] = {}
         self._reserved: dict[str, int] = {}  # transfer id -> float32 KV bytes it may hold
+        self.pool = BufferPool(cfg.pool_bytes) if cfg.pool_bytes else None
         self._server: asyncio.base_events.Server | None = None
 
     @property
@@ -174,7 +233,7 @@ class KVReceiver:
         if held + need > self.cfg.max_inflight_bytes:
             raise KVCapacityError(f"this decode node holds {held} bytes of in-flight KV; {need} more would pass its "
                                   f"kv.max_inflight_bytes of {self.cfg.max_inflight_bytes}")
-        t = Transfer(transfer_id, num_tokens, spec, self.cfg, start)
+        t = Transfer(transfer_id, num_tokens, spec, self.cfg, start, self.pool)
         self.transfers[transfer_id] = t
         self._reserved[transfer_id] = need
         return t

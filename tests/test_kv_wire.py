@@ -222,3 +222,37 @@ def test_cpu_layout_gather_inverts_scatter(start, end):
 def test_unknown_layout_is_refused_by_name():
     with pytest.raises(ValueError, match="FLASH_ATTN_9000"):
         layout_for("FLASH_ATTN_9000", 16, 8, 128)
+
+
+def test_released_receive_buffers_serve_the_next_transfer_and_failed_ones_are_not_reused():
+    async def scenario():
+        rx = KVReceiver(KVConfig())
+        port = free_port()
+        await rx.start("127.0.0.1", port)
+        try:
+            got = []
+            for i, n in enumerate((40, 40, 30)):
+                k, v = kv_data(n, seed=i)
+                t = rx.expect(f"p{i}", n, SPEC)
+                await asyncio.to_thread(send_with_sender(k, v), port, f"p{i}")
+                kv = await t.result(10)
+                assert np.array_equal(kv.keys, k) and np.array_equal(kv.values, v)
+                got.append(kv.keys.base)
+                rx.forget(f"p{i}")
+                kv.release()
+                assert kv.keys is None
+            # the second transfer landed in the first one's buffers; 30 tokens fit in 40 tokens' buffers too
+            assert got[1] is got[0] and got[2] is got[0]
+            idle = rx.pool.idle_bytes
+            k, v = kv_data(40, seed=9)
+            t = rx.expect("bad", 40, SPEC)
+            frame = kv_frame(0, 0, k[0], v[0])
+            await asyncio.to_thread(raw_send([hdr_frame("bad", 40), frame[: len(frame) // 2]]), port, "bad")
+            with pytest.raises(TransferError):
+                await t.result(10)
+            rx.forget("bad")
+            assert rx.pool.idle_bytes == idle - 2 * L * H * 40 * D * 4  # taken by the failed transfer, never given back
+        finally:
+            await rx.stop()
+
+    asyncio.run(scenario())
