@@ -41,7 +41,7 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except NodeError as e:
         return error_response(e.status, str(e), e.code, e.headers)
-    except web.HTTPException:
+    except (web.HTTPException, ConnectionResetError):  # a client that left gets no answer, and is no failure
         raise
     except Exception as e:  # the one boundary where anything else becomes a 500 with a message
         log.exception("%s %s failed", request.method, request.path)

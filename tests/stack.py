@@ -73,6 +73,20 @@ min_disagg_tokens = {min_disagg_tokens}
     return path
 
 
+def send_then_drain(port: int, frames: list[bytes], timeout: float = 10) -> None:
+    """Raw frames to a KV receiver: send, half-close, and read whatever it answers until it closes. A peer that
+    closed with the receiver's ACK unread would reset the connection, and a reset may discard what it sent last."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            for f in frames:
+                s.sendall(f)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(1 << 16):
+                pass
+        except OSError:  # the receiver may drop a bad stream before reading all of it
+            pass
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 import pytest
 
 from kv_bridge import wire
-from stack import MODEL_ID
+from stack import MODEL_ID, send_then_drain
 
 pytestmark = pytest.mark.e2e
 PROMPT = "What is the capital of France?"
@@ -38,16 +37,7 @@ def ids_for(hf_tokenizer, content=PROMPT):
 
 
 def send_raw(port: int, frames: list[bytes]) -> None:
-    """Send, half-close, read until the receiver closes (closing with its ACK unread would reset the connection)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        try:
-            for f in frames:
-                s.sendall(f)
-            s.shutdown(socket.SHUT_WR)
-            while s.recv(1 << 16):
-                pass
-        except OSError:  # the receiver may drop a bad stream before reading all of it
-            pass
+    send_then_drain(port, frames, timeout=5)
 
 
 def test_abort_makes_decode_prefill_locally(stack, hf_tokenizer):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import struct
 import zlib
 
@@ -17,7 +16,7 @@ from kv_bridge.config import KVConfig
 from kv_bridge.layouts import layout_for
 from kv_bridge.receiver import KVReceiver, TransferError
 from kv_bridge.sender import KVSender
-from stack import free_port
+from stack import free_port, send_then_drain
 
 L, H, D = 4, 3, 64
 SPEC = {"fingerprint": "abc123", "num_layers": L, "num_kv_heads": H, "head_dim": D}
@@ -88,20 +87,6 @@ def raw_send(frames: list[bytes]):
     def send(port, tid):
         send_then_drain(port, frames)
     return send
-
-
-def send_then_drain(port: int, frames: list[bytes]) -> None:
-    """Send, half-close, and read whatever the receiver answers until it closes: a peer that closed with the
-    receiver's ACK unread would reset the connection, and a reset may discard what it sent last."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        try:
-            for f in frames:
-                s.sendall(f)
-            s.shutdown(socket.SHUT_WR)
-            while s.recv(1 << 16):
-                pass
-        except OSError:  # the receiver may drop a bad stream before reading all of it
-            pass
 
 
 def hdr_frame(tid="t1", n=10) -> bytes:
