@@ -69,6 +69,7 @@ class MLXModel:
         self.model = self.tokenizer = None
         self.spec = kv_spec(path)
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.failure: str | None = None  # set when the MLX loop itself died: the node can serve nothing more
         self.batch_size = self.cache_bytes = 0  # published by the MLX thread after every step, read by /health
 
     def load(self) -> None:
@@ -97,8 +98,21 @@ class MLXModel:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: Job) -> None:
-        """Any thread: queue a job; the loop admits it at its next step."""
+        """Any thread: queue a job; the loop admits it at its next step (or fails it, once the loop is dead)."""
         self._inbox.put(job)
+        if self.failure is not None:  # the loop may have drained its inbox before this job arrived
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """Every queued job gets the loop's failure and leaves (any thread; the inbox hands each job out once)."""
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.emit(("error", self.failure))
+                job.emit(None)
 
     def bridged_cache(self, kv) -> list:
         """MLX thread: the per-layer cache holding received KV, quantized as mlx-lm does after its own prefill."""
@@ -146,9 +160,12 @@ class MLXModel:
                 if batch is not None:
                     batch.step()
                     self.batch_size, self.cache_bytes = len(batch.jobs), batch.nbytes()
-        except Exception:  # the loop itself broke (not one request): nothing can be served any more
+        except Exception as e:  # the loop itself broke (not one request): nothing can be served any more
             log.exception("MLX loop for %s died", self.model_id)
-            raise
+            self.failure = f"the MLX loop for {self.model_id} died: {type(e).__name__}: {e}"
+            if batch is not None:
+                batch.abandon(self.failure)
+            self._fail_queued()  # no request waits forever: /health now answers 503, the gateway fails over
 
     def _arrivals(self, block: bool) -> list[Job | None]:
         jobs = [self._inbox.get()] if block else []
@@ -276,12 +293,19 @@ class _Batch:
             _finish(self.jobs.pop(uid).job, tokens, cache)
 
     def _fail_all(self, message: str) -> None:
+        self.abandon(message)
+        self.gen = self._generator()
+
+    def abandon(self, message: str) -> None:
+        """Every job in the batch gets `message` as its error and leaves; the generator is closed."""
         for run in self.jobs.values():
             run.job.emit(("error", message))
             run.job.emit(None)
         self.jobs.clear()
-        self.gen.close()
-        self.gen = self._generator()
+        try:
+            self.gen.close()
+        except Exception:  # a generator that broke may not close cleanly; it is dropped either way
+            log.exception("closing the batch generator failed")
 
 
 def _finish(job: Job, tokens: list[int] | None, cache: list | None) -> None:
@@ -356,6 +380,9 @@ class DecodeService:
 
     def health(self) -> dict:
         ms = self.models.values()
+        dead = [m.failure for m in ms if m.failure is not None]
+        if dead:  # 503: the gateway marks this node down and sends its requests elsewhere
+            raise NodeError(503, "; ".join(dead), "engine_dead")
         return {"role": "decode", "models": list(self.models), "running": self.running, "kv_port": self.node.kv_port,
                 "batch_size": sum(m.batch_size for m in ms), "cache_bytes": sum(m.cache_bytes for m in ms),
                 "transfers": len(self.receiver.transfers),  # registered and not yet settled: 0 when idle
@@ -383,6 +410,8 @@ class DecodeService:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
         m, ids, kv_tokens, gen = self._parse(body)
+        if m.failure is not None:
+            raise NodeError(503, m.failure, "engine_dead")
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         if rid in self.receiver.transfers:
             raise NodeError(409, f"request_id {rid!r} is already in flight on this node", "duplicate_request")
