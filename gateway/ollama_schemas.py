@@ -21,7 +21,7 @@ from kv_bridge.config import ModelRoute
 from . import upstream
 from .chat import GatewayState
 from .errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
-from .orchestrator import Done, Sampling
+from .generation import Done, Sampling
 
 # Ollama's documented defaults. Its repeat_penalty default (1.1) is not applied unless asked for: it would make
 # greedy answers differ from the OpenAI path and from vLLM's and MLX's own generation.

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer, decoders
 
-from .orchestrator import Token
+from .generation import Token
 
 
 @lru_cache(maxsize=1)

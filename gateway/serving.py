@@ -19,7 +19,8 @@ from kv_bridge.config import ModelRoute, Settings
 from .errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
 from .metrics import Metrics, RequestRecord
 from .nodes import NodePool
-from .orchestrator import Choices, Orchestrator, Sampling, per_choice
+from .generation import Sampling
+from .orchestrator import Choices, Orchestrator, per_choice
 from .responses import ChatRenderer, ChoiceResult, CompletionRenderer, TokenPieces
 from .schemas import GenerationRequest, parse_json, usage
 from .tokenizer import ChatTokenizer

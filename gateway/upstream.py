@@ -1,6 +1,6 @@
 """The last fallback before 503: a model server outside the cluster (OpenAI-compatible, Ollama, any litellm
 provider), called through litellm when no decode node of the pool can serve. `UpstreamGeneration` has the interface
-of `orchestrator.Generation`, so the OpenAI and Ollama handlers relay it unchanged, with path "upstream".
+of `generation.Generation`, so the OpenAI and Ollama handlers relay it unchanged, with path "upstream".
 
 An upstream may run a different model with a different tokenizer, so it gets the request as the client wrote it
 (chat messages or a text prompt), never our token ids. Handlers record that input with `set_chat` / `set_text`; a
@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from kv_bridge.config import ConfigError, ModelRoute, UpstreamConfig
 
 from .errors import UpstreamError
+from .generation import Done, Sampling, Token
 
 if TYPE_CHECKING:
-    from .orchestrator import Done, Orchestrator, Sampling, Token
+    from .orchestrator import Orchestrator
 
 log = logging.getLogger("gateway.upstream")
 
@@ -157,9 +158,7 @@ class UpstreamGeneration:
         except Exception as e:  # litellm maps every provider's failure to its own exception tree
             raise UpstreamError(f"upstream {cfg.model} failed: {type(e).__name__}: {e}") from None
 
-    async def tokens(self) -> AsyncIterator["Token"]:
-        from .orchestrator import Done, Token
-
+    async def tokens(self) -> AsyncIterator[Token]:
         finish, usage, n = None, None, 0
         try:
             async for chunk in self._stream:

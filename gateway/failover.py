@@ -1,0 +1,166 @@
+"""Mid-stream decode failover: `Resumable` continues a client's stream on another decode node when the one serving
+it breaks after `accepted` (decode_failover; docs/routing.md)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, AsyncIterator
+
+from kv_bridge.config import ModelRoute
+from kv_bridge.stops import StopMatcher
+
+from .errors import UpstreamError
+from .generation import DECODE_FAILOVER, Done, Generation, Sampling, Token
+from .nodes import NodeState
+
+if TYPE_CHECKING:
+    from .orchestrator import Orchestrator
+
+log = logging.getLogger("gateway.orchestrator")
+
+
+class Resumable:
+    """A decode generation that outlives its node: when the stream breaks after `accepted` (connection reset, end
+    of stream without a done line, an error line), the same client stream goes on on another healthy decode node of
+    the pool (decode_failover). The new generation's prompt is the client's prompt plus every token generated so
+    far, its max_tokens what is left, its sampling the same; so a greedy stream reads exactly as an uninterrupted one.
+
+    Stop strings: text the broken node held back (the start of a possible stop string, an incomplete character) is
+    recomputed here from the token ids, and from then on the gateway matches the stop strings itself (the node's own
+    StopMatcher, over the same text, one token behind) while the new node runs without them, so a stop string
+    spanning the break is caught where an uninterrupted run would have caught it. With no other node the original
+    error is raised: the client gets today's error event. Same interface as Generation."""
+
+    def __init__(self, orch: "Orchestrator", gen: Generation, sampling: Sampling) -> None:
+        self._orch, self.gen, self.sampling = orch, gen, sampling
+        self.prompt = gen.prompt  # the client's prompt; usage counts it, not a continuation's longer one
+        self.ids: list[int] = []  # every token received, across nodes
+        self.done: Done | None = None
+        self.failovers = 0
+        self._text = ""  # the text handed to the consumer (or waiting in `_pending`) so far
+        self._carry = ""  # text the broken node held back, prepended to the next token's
+        self._stops: StopMatcher | None = None  # the gateway's stop matching, after a failover with stop strings
+        self._pending: Token | None = None  # with `_stops`: the newest token, held until the next shows it final
+        self._tried = [gen.decode.name]
+
+    @property
+    def route(self) -> ModelRoute:
+        return self.gen.route
+
+    @property
+    def decode(self) -> NodeState:
+        return self.gen.decode
+
+    @property
+    def request_id(self) -> str:
+        return self.gen.request_id
+
+    @property
+    def planned_path(self) -> str:
+        return self.gen.planned_path
+
+    @property
+    def path(self) -> str:
+        return self.gen.path
+
+    @property
+    def prefill_s(self) -> float | None:
+        return self.gen.prefill_s
+
+    @property
+    def fallbacks(self) -> list[str]:
+        return self.gen.fallbacks
+
+    def headers(self) -> dict[str, str]:
+        return self.gen.headers()
+
+    async def close(self) -> None:
+        await self.gen.close()
+
+    async def tokens(self) -> AsyncIterator[Token]:
+        stopped = False
+        while not stopped:
+            try:
+                async for tok in self.gen.tokens():
+                    tok, stopped = self._receive(tok)
+                    if self._stops is None:
+                        yield tok
+                        continue
+                    if self._pending is not None:
+                        yield self._pending
+                    self._pending = tok
+                    if stopped:
+                        break
+                break
+            except UpstreamError as e:
+                await self._close_broken()
+                if len(self.ids) >= self.sampling.max_tokens:
+                    break  # it broke after its last token: nothing is missing
+                if not await self._resume(e):
+                    raise
+        if self._pending is not None:
+            if not stopped:
+                self._pending.text += self._stops.flush()
+            tok, self._pending = self._pending, None
+            yield tok
+        self.done = self._final_done(stopped)
+
+    def _receive(self, tok: Token) -> tuple[Token, bool]:
+        """The token as the client sees it, and whether the gateway's stop matching ended the generation."""
+        self.ids.append(tok.token_id)
+        text, hit = self._carry + tok.text, False
+        self._carry = ""
+        if self._stops is not None:
+            text, hit = self._stops.feed(text)
+        tok.text = text
+        self._text += text
+        return tok, hit
+
+    def _final_done(self, stopped: bool) -> Done:
+        """The done line the client's request gets: its own prompt and every token generated for it."""
+        if stopped or self.gen.done is None:  # the gateway hit a stop string, or there was nothing left to generate
+            return Done("stop" if stopped else "length", len(self.prompt), len(self.ids), 0, None, 0.0, 0)
+        if not self.failovers:
+            return self.gen.done
+        return replace(self.gen.done, prompt_tokens=len(self.prompt), completion_tokens=len(self.ids))
+
+    async def _close_broken(self) -> None:
+        """Drop the broken stream; a dead node is marked down now rather than at the next health poll."""
+        await self.gen.close()
+        await self._orch.pool.check(self._orch.session, self.gen.decode)
+
+    async def _resume(self, err: UpstreamError) -> bool:
+        """Continue on another decode node of the pool; False when none can (the caller then raises `err`)."""
+        orch, broken = self._orch, self.gen
+        self._carry = self._held_text()
+        stops = self.sampling.stop
+        sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.ids), stop=[])
+        prompt = [*self.prompt, *self.ids]
+        fallbacks = [*broken.fallbacks, DECODE_FAILOVER]
+        gen = await orch.open_on_pool(self.route, prompt, sampling, self._tried, fallbacks,
+                                      orch.affinity.hashes(self.route.id, prompt))
+        if gen is None:
+            log.warning("decode node %s broke mid-stream (%s) and no other decode node can continue %s",
+                        broken.decode.name, err.message, broken.request_id)
+            return False
+        log.warning("decode node %s broke mid-stream after %d tokens (%s); %s continues on %s as %s",
+                    broken.decode.name, len(self.ids), err.message, broken.request_id, gen.decode.name,
+                    gen.request_id)
+        orch.metrics.fallback(self.route.id, DECODE_FAILOVER)
+        self._tried.append(gen.decode.name)
+        if stops:  # a fresh matcher: what the old one held is in `_carry` now
+            self._stops = StopMatcher(stops)
+        self.gen, self.failovers = gen, self.failovers + 1
+        return True
+
+    def _held_text(self) -> str:
+        """The text of the tokens received that the broken node never sent (the detokenizer's incomplete character,
+        the StopMatcher's tail): the full decode of the ids, less what the consumer already has."""
+        full = self._orch.detokenize(self.route.id, self.ids)
+        if full is None or not full.startswith(self._text):
+            if full is not None:
+                log.warning("%s: the decoded tokens do not extend the streamed text; dropping the held-back text",
+                            self.request_id)
+            return ""
+        return full[len(self._text):]
