@@ -126,6 +126,10 @@ class RequestRecord:
         if prefill_s is not None:
             m.prefill.labels(model).observe(prefill_s)
 
+    def skip(self) -> None:
+        """A reply that generated nothing (Ollama's load/unload): not a request to count; `finish` becomes a no-op."""
+        self._finished = True
+
     def finish(self, status: str) -> None:
         if self._finished:
             return

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -22,10 +21,10 @@ from aiohttp import web
 
 from kv_bridge.config import ModelRoute, resolve_model_path
 
-from .chat import STATE, GatewayState
-from .errors import APIError, ClientDisconnected, InvalidRequest, NoHealthyNode, status_class
+from .errors import APIError, ClientDisconnected, InvalidRequest, NoHealthyNode
 from .metrics import RequestRecord
 from .ollama_schemas import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
+from .serving import STATE, GatewayState, endpoint
 
 log = logging.getLogger("gateway.ollama")
 
@@ -234,39 +233,28 @@ async def show(request: web.Request) -> web.Response:
 
 # ---- generation: POST /api/generate and /api/chat ----
 
-async def generate(request: web.Request) -> web.StreamResponse:
+async def _generate(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
     vocab = {mid: c.vocab_size for mid, c in request.app[CARDS].items()}
-    return await _counted(request, lambda st: parse_generate(request, st, vocab))
+    return await _serve(request, st, rec, await parse_generate(request, st, vocab))
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
-    return await _counted(request, lambda st: parse_chat(request, st))
+async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
+    return await _serve(request, st, rec, await parse_chat(request, st))
 
 
-async def _counted(request: web.Request, parse) -> web.StreamResponse:
-    """Count the request in disagg_requests_total like the OpenAI path; load/unload replies generate nothing."""
-    st = request.app[STATE]
-    rec = st.metrics.request()
-    status: str | None = "5xx"
-    try:
-        job = await parse(st)
-        rec.model = job.route.id
-        if job.prompt is None:
-            resp = _load_reply(st, job)
-            status = None
-            return resp
-        resp = await _run(request, st, rec, job)
-        status = "ok"
+async def _serve(request: web.Request, st: GatewayState, rec: RequestRecord, job: Job) -> web.StreamResponse:
+    """Counted in disagg_requests_total like the OpenAI path (serving.endpoint); load/unload replies generate
+    nothing and are not counted."""
+    rec.model = job.route.id
+    if job.prompt is None:
+        resp = _load_reply(st, job)
+        rec.skip()
         return resp
-    except (ClientDisconnected, asyncio.CancelledError):
-        status = "cancelled"
-        raise
-    except APIError as e:
-        status = status_class(e.status)
-        raise
-    finally:
-        if status is not None:
-            rec.finish(status)  # a no-op when the stream already recorded its own outcome
+    return await _run(request, st, rec, job)
+
+
+generate = endpoint(_generate)
+chat = endpoint(_chat)
 
 
 def _load_reply(st: GatewayState, job: Job) -> web.Response:
