@@ -198,7 +198,7 @@ class Bench:
         if r.status_code != 200:
             raise RuntimeError(f"prefill node answered {r.status_code}: {r.text[:500]}")
         kv = self.lt.call(transfer.result(300))
-        self.rx.transfers.pop(tid, None)
+        self.lt.loop.call_soon_threadsafe(self.rx.forget, tid)  # the request is over: its reservation goes
         link_tail = done_at["t"] - self.relay.last_in if throttled else float("nan")
         return {"call": t_http - t0, "kv": done_at["t"] - t0, "node_s": r.json()["prefill_s"], "bytes": kv.nbytes,
                 "rx_s": kv.seconds, "link_tail": link_tail}

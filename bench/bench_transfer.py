@@ -19,6 +19,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -78,7 +79,7 @@ def bridge_once(lt: LoopThread, rx: KVReceiver, sender: KVSender, port: int, lay
     sender.close(tag)
     got = lt.call(t.result(120))
     dt = time.perf_counter() - t0
-    rx.transfers.pop(tag, None)
+    lt.loop.call_soon_threadsafe(rx.forget, tag)  # the request is over, as the decode node says it
     got.release()  # as the decode node does once MLX has copied the KV: the buffers serve the next transfer
     return dt, got.nbytes
 
@@ -119,24 +120,24 @@ def raw_once(nbytes_per_layer: int, payload: bytes) -> float:
 
 class TimedReceiver(KVReceiver):
     """KVReceiver whose frame checks and KV assembly are timed (profiling only; same code paths): the checksum
-    through `wire.check_crc_parts`, assembly through `Transfer.add` (float32 frames are received in place and
+    through `wire.check_checksum`, assembly through `Transfer.add` (float32 frames are received in place and
     never reach it), both called from the connection's protocol."""
 
     def __init__(self, cfg: KVConfig):
         super().__init__(cfg)
-        self.t = {"crc32 check": 0.0, "assemble (Transfer.add)": 0.0}
-        self._crc = wire.check_crc_parts
+        self.t = {"checksum check": 0.0, "assemble (Transfer.add)": 0.0}
+        self._check = wire.check_checksum
 
-        def timed_crc(parts, crc_bytes):
+        def timed_check(ftype, parts, got):
             t0 = time.perf_counter()
             try:
-                return self._crc(parts, crc_bytes)
+                return self._check(ftype, parts, got)
             finally:
-                self.t["crc32 check"] += time.perf_counter() - t0
-        wire.check_crc_parts = timed_crc
+                self.t["checksum check"] += time.perf_counter() - t0
+        wire.check_checksum = timed_check
 
     def restore(self) -> None:
-        wire.check_crc_parts = self._crc
+        wire.check_checksum = self._check
 
     def expect(self, transfer_id, num_tokens, spec):
         t = super().expect(transfer_id, num_tokens, spec)
@@ -146,10 +147,10 @@ class TimedReceiver(KVReceiver):
 
 
 class TimedSender(KVSender):
-    """KVSender whose writer thread is timed: frame building (crc32 of the payload) vs sendall (profiling only)."""
+    """KVSender whose writer thread is timed: frame building (checksum of the payload) vs sendall (profiling only)."""
 
     def __init__(self):
-        self.t = {"frame build (crc32, mac)": 0.0, "sendall": 0.0}
+        self.t = {"frame build (checksum, mac)": 0.0, "sendall": 0.0}
         super().__init__()
 
     def _dispatch(self, op, tid, arg):
@@ -157,7 +158,7 @@ class TimedSender(KVSender):
         before = self.t["sendall"]
         super()._dispatch(op, tid, arg)
         if op == "kv":
-            self.t["frame build (crc32, mac)"] += time.perf_counter() - t0 - (self.t["sendall"] - before)
+            self.t["frame build (checksum, mac)"] += time.perf_counter() - t0 - (self.t["sendall"] - before)
 
     def _write(self, st, tid, parts):
         t0 = time.perf_counter()
@@ -192,7 +193,8 @@ def micro(nbytes: int, reps: int = 5) -> dict[str, float]:
             ba.extend(memoryview(buf)[i:i + (1 << 18)])
         bytes(ba)
 
-    return {"zlib.crc32": best(lambda: zlib.crc32(buf)),
+    return {"xxh3_64 (KV frame checksum)": best(lambda: xxhash.xxh3_64_intdigest(buf)),
+            "zlib.crc32 (wire version 1)": best(lambda: zlib.crc32(buf)),
             "bytes(memoryview) copy": best(lambda: bytes(memoryview(buf))),
             "bytearray grow + bytes()": best(grow),
             "np.frombuffer + copy to preallocated": best(lambda: np.copyto(dst, np.frombuffer(buf, np.float32)))}

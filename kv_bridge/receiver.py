@@ -21,6 +21,8 @@ from kv_bridge.config import KVConfig
 
 log = logging.getLogger(__name__)
 
+STAGE_BYTES = 64 << 10  # a read whose target has less left than this goes through a staging buffer (see get_buffer)
+
 
 class TransferError(RuntimeError):
     """The transfer failed (sender error, corrupt stream, mismatch, abort); decode must prefill locally."""
@@ -270,7 +272,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     The event loop recv_into()s each piece of a frame where it belongs: the 5-byte prefix, then either the whole
     body into `_buf` (reused, grown to the largest frame after the prefix's length passed its bound), or, for a
     float32 KV frame of a stream without frame MACs, its 20-byte KV prefix and then the payload straight into
-    the transfer's arrays, one contiguous piece per head (`Transfer.views`). Frames are handled synchronously as they complete, so nothing
+    the transfer's arrays, one contiguous piece per head (`Transfer.views`). A piece with less than STAGE_BYTES
+    left is read through a staging buffer, together with what follows it, and copied on. Frames are handled synchronously as they complete, so nothing
     queues up here: a fast sender waits in TCP.
     """
 
@@ -280,11 +283,13 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.transfer: Transfer | None = None
         self.hdr: wire.StreamHeader | None = None
         self.mac: wire.FrameMac | None = None
-        self._small = bytearray(wire.PREFIX.size + wire.KV_PREFIX.size + wire.CRC.size + wire.TAG_BYTES)
+        self._small = bytearray(wire.PREFIX.size + wire.KV_PREFIX.size + wire.MAX_CHECKSUM + wire.TAG_BYTES)
         self._buf = bytearray()
         self._targets: list[memoryview] = []
         self._ti = self._got = 0
         self._then = None  # called once every target is full
+        self._stage = memoryview(bytearray(STAGE_BYTES))
+        self._staged = False
         self._mid_frame = False
         self._closed = False
         self._expect_prefix()
@@ -295,11 +300,27 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._targets, self._ti, self._got, self._then = targets, 0, 0, then
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._targets[self._ti][self._got:]
+        rest = self._targets[self._ti][self._got:]
+        self._staged = len(rest) < STAGE_BYTES
+        return self._stage if self._staged else rest
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._closed:
             return
+        if not self._staged:
+            self._advance(nbytes)
+            return
+        # Small pieces (prefixes, trailers, a frame's last bytes) come in through the staging buffer together with
+        # whatever follows them, and are copied on in order: one event-loop turn per recv, not one per piece.
+        off = 0
+        while off < nbytes and not self._closed:
+            target = self._targets[self._ti]
+            n = min(len(target) - self._got, nbytes - off)
+            target[self._got:self._got + n] = self._stage[off:off + n]
+            off += n
+            self._advance(n)
+
+    def _advance(self, nbytes: int) -> None:
         self._got += nbytes
         if self._got < len(self._targets[self._ti]):
             return
@@ -334,18 +355,19 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             kvp = self._small_view(wire.PREFIX.size, wire.KV_PREFIX.size)
             self._read([kvp], lambda: self._on_kv_prefix(length, kvp))
             return
-        size = length + self._trailer_size()
+        size = length + self._trailer_size(ftype)
         if len(self._buf) < size:
             self._buf = bytearray(size)  # grows to the largest frame of this stream, then is reused
         self._read([memoryview(self._buf)[:size]], lambda: self._on_body(ftype, length))
 
-    def _trailer_size(self) -> int:
-        return wire.CRC.size + (wire.TAG_BYTES if self.mac is not None else 0)
+    def _trailer_size(self, ftype: int) -> int:
+        return wire.checksum_size(ftype) + (wire.TAG_BYTES if self.mac is not None else 0)
 
     def _check(self, ftype: int, length: int, parts: list, trailer: memoryview) -> None:
-        wire.check_crc_parts(parts, trailer[:wire.CRC.size])
+        n = wire.checksum_size(ftype)
+        wire.check_checksum(ftype, parts, trailer[:n])
         if self.mac is not None:  # before anything reads the body
-            self.mac.check_parts(ftype, length, parts, bytes(trailer[wire.CRC.size:]))
+            self.mac.check_parts(ftype, length, parts, bytes(trailer[n:]))
 
     def _on_kv_prefix(self, length: int, kvp: memoryview) -> None:
         t = self._live_transfer()
@@ -353,7 +375,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             return
         layer, start, count, _, _ = wire.parse_kv_prefix(kvp, length, self.hdr)
         views = t.views(layer, start, count)
-        trailer = self._small_view(wire.PREFIX.size + wire.KV_PREFIX.size, self._trailer_size())
+        trailer = self._small_view(wire.PREFIX.size + wire.KV_PREFIX.size, self._trailer_size(wire.KV))
 
         def done() -> None:
             self._check(wire.KV, length, [kvp, *views], trailer)
@@ -364,7 +386,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def _on_body(self, ftype: int, length: int) -> None:
         data = memoryview(self._buf)
         body = data[:length]
-        self._check(ftype, length, [body], data[length:length + self._trailer_size()])
+        self._check(ftype, length, [body], data[length:length + self._trailer_size(ftype)])
         if self.hdr is None:
             self._on_header(ftype, body)
             self._expect_prefix()
@@ -393,7 +415,13 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def _on_header(self, ftype: int, body: memoryview) -> None:
         if ftype != wire.HEADER:
             raise wire.WireError("stream must open with a HEADER frame")
-        hdr = wire.StreamHeader.from_json(wire.parse_json(body))
+        obj = wire.parse_json(body)
+        try:
+            hdr = wire.StreamHeader.from_json(obj)
+        except wire.WireError:  # e.g. a peer of another wire version: its transfer (if any) fails now, by name
+            tid = obj.get("transfer_id")
+            self.transfer = self.rx.transfers.get(tid) if isinstance(tid, str) else None
+            raise
         t = self.rx.transfers.get(hdr.transfer_id)
         # Authentication comes first, so an unauthenticated peer learns nothing about which transfers exist;
         # a refused stream still fails its transfer (if any): decode prefills locally at once.

@@ -1,6 +1,9 @@
 """KV wire format: length-prefixed, checksummed frames; JSON headers, raw little-endian tensor payloads.
 
-Frame:  type u8 | body_len u32 | body | crc32(body) u32     (all little-endian; no pickle anywhere)
+Frame:  type u8 | body_len u32 | body | checksum(body)      (all little-endian; no pickle anywhere)
+        checksum: xxh3_64 u64 for KV frames (about 29 GB/s here, against 2.4-6.8 GB/s for zlib's crc32, which
+        sat on the transfer's critical path on both sides), crc32 u32 for the small JSON frames: HEADER, ACK,
+        ERROR and DONE read alike in every wire version, so a version mismatch is refused by name.
 Stream: HEADER ->(receiver answers ACK or ERROR)-> KV* -> DONE   (or ERROR from the sender at any point)
 KV body: layer u32 | token_start u32 | token_count u32 | k_scale f32 | v_scale f32 | K (H, count, D) | V (H, count, D)
          in the HEADER's wire dtype (kv_bridge/dtypes.py); scales are 1.0 except for fp8.
@@ -20,15 +23,18 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from kv_bridge import dtypes
 
-VERSION = 1
+VERSION = 2  # 2: KV frames checksummed with xxh3_64 (1: crc32)
 HEADER, KV, DONE, ERROR, ACK = 1, 2, 3, 4, 5
 FRAME_TYPES = {HEADER, KV, DONE, ERROR, ACK}
 PREFIX = struct.Struct("<BI")
 KV_PREFIX = struct.Struct("<IIIff")
-CRC = struct.Struct("<I")
+CRC = struct.Struct("<I")  # JSON frames: crc32
+XXH = struct.Struct("<Q")  # KV frames: xxh3_64
+MAX_CHECKSUM = XXH.size
 MAX_JSON_BYTES = 64 << 10
 TAG_BYTES = 32  # HMAC-SHA256
 _HEX_TAG = re.compile(f"[0-9a-f]{{{2 * TAG_BYTES}}}")
@@ -135,13 +141,26 @@ class FrameMac:
             raise WireError("frame authentication failed (tag mismatch): the stream was altered or forged")
 
 
-def frame_parts(ftype: int, *body: bytes | memoryview) -> list[bytes | memoryview]:
-    """Buffers that, written in order, form one frame (avoids joining large payloads)."""
-    length = sum(len(b) for b in body)
+def checksum_size(ftype: int) -> int:
+    return XXH.size if ftype == KV else CRC.size
+
+
+def checksum(ftype: int, body) -> bytes:
+    """The trailer of a frame whose body is `body` (buffers, in order): xxh3_64 for KV frames, crc32 otherwise."""
+    if ftype == KV:
+        h = xxhash.xxh3_64()
+        for b in body:
+            h.update(b)
+        return XXH.pack(h.intdigest())
     crc = 0
     for b in body:
         crc = zlib.crc32(b, crc)
-    return [PREFIX.pack(ftype, length), *body, CRC.pack(crc)]
+    return CRC.pack(crc)
+
+
+def frame_parts(ftype: int, *body: bytes | memoryview) -> list[bytes | memoryview]:
+    """Buffers that, written in order, form one frame (avoids joining large payloads)."""
+    return [PREFIX.pack(ftype, sum(len(b) for b in body)), *body, checksum(ftype, body)]
 
 
 def json_frame(ftype: int, obj: dict) -> bytes:
@@ -165,17 +184,9 @@ def check_prefix(ftype: int, length: int, max_body: int) -> None:
         raise WireError(f"frame of type {ftype} declares {length} bytes, over the bound of {limit}")
 
 
-def check_crc(body: bytes | memoryview, crc_bytes: bytes) -> None:
-    check_crc_parts((body,), crc_bytes)
-
-
-def check_crc_parts(parts, crc_bytes: bytes) -> None:
-    """The checksum of a body received in pieces, in order."""
-    (want,) = CRC.unpack(crc_bytes)
-    crc = 0
-    for b in parts:
-        crc = zlib.crc32(b, crc)
-    if crc != want:
+def check_checksum(ftype: int, parts, got: bytes | memoryview) -> None:
+    """Check a frame's trailer against its body, received whole or in pieces (`parts`, in order)."""
+    if checksum(ftype, parts) != bytes(got):
         raise WireError("frame checksum mismatch")
 
 

@@ -108,7 +108,7 @@ def test_forged_kv_stream_is_refused_and_decode_prefills_itself(secure_stack, fo
         with socket.create_connection((decode.host, decode.kv_port), timeout=30) as s:
             s.sendall(_forged_header(forge, rid, len(ids) - 1))
             ftype, length = wire.PREFIX.unpack(s.recv(wire.PREFIX.size, socket.MSG_WAITALL))
-            reply = json.loads(s.recv(length + wire.CRC.size, socket.MSG_WAITALL)[:length])
+            reply = json.loads(s.recv(length + wire.checksum_size(wire.ACK), socket.MSG_WAITALL)[:length])
         assert ftype == wire.ERROR and "authenticator" in reply["message"]
         lines = [json.loads(line) for line in r]
     done = lines[-1]

@@ -100,7 +100,7 @@ def _connect(port: int) -> socket.socket:
 def _read_frame(sock: socket.socket) -> tuple[int, dict]:
     prefix = sock.recv(wire.PREFIX.size, socket.MSG_WAITALL)
     ftype, length = wire.PREFIX.unpack(prefix)
-    data = sock.recv(length + wire.CRC.size, socket.MSG_WAITALL)
+    data = sock.recv(length + wire.checksum_size(wire.ACK), socket.MSG_WAITALL)
     return ftype, wire.parse_json(data[:length])
 
 

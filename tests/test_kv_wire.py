@@ -10,12 +10,13 @@ import zlib
 
 import numpy as np
 import pytest
+import xxhash
 
 from kv_bridge import wire
 from kv_bridge.config import KVConfig
 from kv_bridge.layouts import layout_for
 from kv_bridge.receiver import KVReceiver, TransferError
-from kv_bridge.sender import KVSender
+from kv_bridge.sender import KVSender, sendall_parts
 from stack import free_port, send_then_drain
 
 L, H, D = 4, 3, 64
@@ -104,6 +105,42 @@ def test_truncated_stream_fails_the_transfer():
         asyncio.run(run_transfer(raw_send([hdr_frame(), frame[: len(frame) // 2]])))
 
 
+def test_other_wire_version_is_refused_by_name_at_once():
+    """A node of wire version 1 (crc32 KV frames) reads the same HEADER/ERROR frames: both sides learn why."""
+    old = wire.json_frame(wire.HEADER, {**header("t1", 10).to_json(), "version": 1})
+    with pytest.raises(TransferError, match="wire version 1 not supported .this side speaks 2"):
+        asyncio.run(run_transfer(raw_send([old])))
+
+
+def test_kv_frames_carry_xxh3_json_frames_crc32():
+    k, v = kv_data(3)
+    kv = kv_frame(0, 0, k[0], v[0])
+    body = kv[wire.PREFIX.size:-wire.XXH.size]
+    assert wire.XXH.unpack(kv[-wire.XXH.size:])[0] == xxhash.xxh3_64_intdigest(body)
+    ack = wire.json_frame(wire.ACK, {})
+    assert wire.CRC.unpack(ack[-wire.CRC.size:])[0] == zlib.crc32(ack[wire.PREFIX.size:-wire.CRC.size])
+
+
+def test_sendall_parts_survives_partial_writes():
+    """sendmsg writes what the socket buffer takes; the rest must follow, in order, from the right offset."""
+    import socket
+    import threading
+
+    rng = np.random.default_rng(5)
+    parts = [b"ab", rng.integers(0, 255, 3 << 20, np.uint8), memoryview(b"c"), rng.standard_normal(1 << 19)]
+    want = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # forces many partial sendmsg calls
+    got = bytearray()
+    reader = threading.Thread(target=lambda: [got.extend(c) for c in iter(lambda: b.recv(1 << 16), b"")])
+    reader.start()
+    with a:
+        assert sendall_parts(a, parts) == len(want)
+    reader.join(10)
+    b.close()
+    assert bytes(got) == want
+
+
 def test_corrupt_checksum_fails_the_transfer():
     k, v = kv_data(10)
     frame = bytearray(kv_frame(0, 0, k[0], v[0]))
@@ -178,7 +215,7 @@ def test_parse_kv_rejects_out_of_range_frames():
     hdr = header("t", 10)
     k, v = kv_data(10)
     for layer, start in ((L, 0), (0, 8)):
-        body = memoryview(kv_frame(layer, start, k[0], v[0])[wire.PREFIX.size:-wire.CRC.size])
+        body = memoryview(kv_frame(layer, start, k[0], v[0])[wire.PREFIX.size:-wire.XXH.size])
         with pytest.raises(wire.WireError):
             wire.parse_kv(body, hdr)
 
