@@ -120,7 +120,7 @@ def raw_once(nbytes_per_layer: int, payload: bytes) -> float:
 
 class TimedReceiver(KVReceiver):
     """KVReceiver whose frame checks and KV assembly are timed (profiling only; same code paths): the checksum
-    through `wire.check_checksum`, assembly through `Transfer.add` (float32 frames are received in place and
+    through `wire.check_checksum` and `wire.kv_digest`, assembly through `Transfer.add` (float32 frames are received in place and
     never reach it), both called from the connection's protocol."""
 
     def __init__(self, cfg: KVConfig):
@@ -135,15 +135,30 @@ class TimedReceiver(KVReceiver):
             finally:
                 self.t["checksum check"] += time.perf_counter() - t0
         wire.check_checksum = timed_check
+        self._digest = wire.kv_digest
+        wire.kv_digest = lambda first: _TimedDigest(self._digest(first), self.t)  # in-place frames, per piece
 
     def restore(self) -> None:
-        wire.check_checksum = self._check
+        wire.check_checksum, wire.kv_digest = self._check, self._digest
 
     def expect(self, transfer_id, num_tokens, spec):
         t = super().expect(transfer_id, num_tokens, spec)
         t.__class__ = TimedTransfer
         t.times = self.t
         return t
+
+
+class _TimedDigest:
+    def __init__(self, digest, times: dict):
+        self.digest, self.times = digest, times
+
+    def update(self, piece) -> None:
+        t0 = time.perf_counter()
+        self.digest.update(piece)
+        self.times["checksum check"] += time.perf_counter() - t0
+
+    def intdigest(self) -> int:
+        return self.digest.intdigest()
 
 
 class TimedSender(KVSender):

@@ -158,6 +158,16 @@ def checksum(ftype: int, body) -> bytes:
     return CRC.pack(crc)
 
 
+def kv_digest(first: bytes | memoryview):
+    """A running KV frame checksum to update() with the rest of the body as it arrives; see check_digest."""
+    return xxhash.xxh3_64(first)
+
+
+def check_digest(digest, got: bytes | memoryview) -> None:
+    if XXH.pack(digest.intdigest()) != bytes(got):
+        raise WireError("frame checksum mismatch")
+
+
 def frame_parts(ftype: int, *body: bytes | memoryview) -> list[bytes | memoryview]:
     """Buffers that, written in order, form one frame (avoids joining large payloads)."""
     return [PREFIX.pack(ftype, sum(len(b) for b in body)), *body, checksum(ftype, body)]
