@@ -120,8 +120,8 @@ def raw_once(nbytes_per_layer: int, payload: bytes) -> float:
 
 class TimedReceiver(KVReceiver):
     """KVReceiver whose frame checks and KV assembly are timed (profiling only; same code paths): the checksum
-    through `wire.check_checksum` and `wire.kv_digest`, assembly through `Transfer.add` (float32 frames are received in place and
-    never reach it), both called from the connection's protocol."""
+    through `wire.check_checksum` and `wire.kv_digest`, assembly through `Transfer.add` (float32 frames are
+    received in place and never reach it), both called from the connection's protocol."""
 
     def __init__(self, cfg: KVConfig):
         super().__init__(cfg)

@@ -273,8 +273,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     body into `_buf` (reused, grown to the largest frame after the prefix's length passed its bound), or, for a
     float32 KV frame of a stream without frame MACs, its 20-byte KV prefix and then the payload straight into
     the transfer's arrays, one contiguous piece per head (`Transfer.views`). A piece with less than STAGE_BYTES
-    left is read through a staging buffer, together with what follows it, and copied on. Frames are handled synchronously as they complete, so nothing
-    queues up here: a fast sender waits in TCP.
+    left is read through a staging buffer, together with what follows it, and copied on. Frames are handled
+    synchronously as they complete, so nothing queues up here: a fast sender waits in TCP.
     """
 
     def __init__(self, rx: KVReceiver):

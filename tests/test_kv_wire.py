@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -123,9 +125,6 @@ def test_kv_frames_carry_xxh3_json_frames_crc32():
 
 def test_sendall_parts_survives_partial_writes():
     """sendmsg writes what the socket buffer takes; the rest must follow, in order, from the right offset."""
-    import socket
-    import threading
-
     rng = np.random.default_rng(5)
     parts = [b"ab", rng.integers(0, 255, 3 << 20, np.uint8), memoryview(b"c"), rng.standard_normal(1 << 19)]
     want = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
