@@ -85,7 +85,7 @@ class MLXModel:
         if self.kv_bits is not None:  # refuse at start-up what quantization cannot do for this model
             from mlx_lm.models.cache import make_prompt_cache
 
-            from kv_bridge.mlx_cache import quantize
+            from kv_bridge.mlx.cache import quantize
 
             quantize(make_prompt_cache(self.model), self.kv_bits, self.kv_group_size)
 
@@ -116,7 +116,7 @@ class MLXModel:
 
     def bridged_cache(self, kv) -> list:
         """MLX thread: the per-layer cache holding received KV, quantized as mlx-lm does after its own prefill."""
-        from kv_bridge.mlx_cache import build_prompt_cache, quantize
+        from kv_bridge.mlx.cache import build_prompt_cache, quantize
 
         cache = build_prompt_cache(self.model, kv.keys, kv.values, self.dtype)
         return quantize(cache, self.kv_bits, self.kv_group_size)
@@ -125,7 +125,7 @@ class MLXModel:
         """MLX thread: the request's initial cache: a private copy of the held prefix, extended by the received KV
         (which starts where the prefix ends), or the received KV alone."""
         from backends.prefix_cache import PrefixStore
-        from kv_bridge.mlx_cache import append_kv
+        from kv_bridge.mlx.cache import append_kv
 
         try:
             if prefix is None:

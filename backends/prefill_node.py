@@ -44,7 +44,7 @@ def engine_args(settings: Settings, route: ModelRoute):
         enable_prefix_caching=settings.prefill.enable_prefix_caching,
         kv_transfer_config=KVTransferConfig(
             kv_connector="DisaggConnector",
-            kv_connector_module_path="kv_bridge.connector",
+            kv_connector_module_path="kv_bridge.vllm.connector",
             kv_role="kv_producer",
             kv_connector_extra_config=connector_config(settings),
         ),

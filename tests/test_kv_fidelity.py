@@ -29,7 +29,7 @@ def mlx_kv(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kv_bridge.mlx_cache import cache_kv
+    from kv_bridge.mlx.cache import cache_kv
 
     cache = make_prompt_cache(model)
     model(mx.array(ids)[None], cache=cache)
@@ -70,7 +70,7 @@ def test_bridged_kv_equals_mlx_kv(stack, mlx_ref, n):
 
 def test_mlx_cache_holds_bridged_kv_exactly(stack, mlx_ref):
     """The bridge's mlx-lm caches carry the received KV bit for bit, at the right offset."""
-    from kv_bridge.mlx_cache import build_prompt_cache, cache_kv
+    from kv_bridge.mlx.cache import build_prompt_cache, cache_kv
 
     model, tok = mlx_ref
     ids = tok.encode(TEXT)[:50]

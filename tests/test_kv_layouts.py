@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kv_bridge import dtypes
-from kv_bridge.extract import Extractor, wire_dtype_for
-from kv_bridge.layouts import LAYOUTS, layout_for
+from kv_bridge.vllm.extract import Extractor, wire_dtype_for
+from kv_bridge.vllm.layouts import LAYOUTS, layout_for
 
 H, D, BS = 3, 64, 16
 rng = np.random.default_rng(7)

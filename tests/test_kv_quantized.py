@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-from kv_bridge.mlx_cache import build_prompt_cache, cache_kv, quantize
+from kv_bridge.mlx.cache import build_prompt_cache, cache_kv, quantize
 
 PROMPT = "Explain in one sentence why the sky is blue. " * 4
 

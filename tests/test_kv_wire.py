@@ -16,7 +16,7 @@ import xxhash
 
 from kv_bridge import wire
 from kv_bridge.config import KVConfig
-from kv_bridge.layouts import layout_for
+from kv_bridge.vllm.layouts import layout_for
 from kv_bridge.receiver import KVReceiver, TransferError
 from kv_bridge.sender import KVSender, sendall_parts
 from stack import free_port, send_then_drain

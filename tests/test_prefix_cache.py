@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 import tiny_models
 from backends.prefix_cache import PrefixStore
-from kv_bridge.mlx_cache import append_kv, cache_kv
+from kv_bridge.mlx.cache import append_kv, cache_kv
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the annual budget for rivers, "
         "mountains and the history of early computing machines in a small town by the sea. Everyone agreed.")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kv_bridge.layouts.base import PagedLayout
-from kv_bridge.layouts.cpu import CpuAttnLayout
-from kv_bridge.layouts.dense import DenseLayout
+from kv_bridge.vllm.layouts.base import PagedLayout
+from kv_bridge.vllm.layouts.cpu import CpuAttnLayout
+from kv_bridge.vllm.layouts.dense import DenseLayout
 
 _DENSE_ORDERS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")  # vLLM KVCacheLayout names ("HND" = LBHNC, "NHD" = LBNHC)
 
@@ -23,5 +23,5 @@ def layout_for(backend: str, block_size: int, num_kv_heads: int, head_dim: int, 
     if cls is None:
         known = ", ".join(f"{b}/{o}" for b, o in sorted(LAYOUTS))
         raise ValueError(f"no KV layout adapter for attention backend {backend!r} with cache layout {layout!r}; "
-                         f"supported: {known} (add one in kv_bridge/layouts/)")
+                         f"supported: {known} (add one in kv_bridge/vllm/layouts/)")
     return cls(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kv_bridge.dtypes import E4M3_MAX
-from kv_bridge.layouts.base import PagedLayout
+from kv_bridge.vllm.layouts.base import PagedLayout
 
 FP8_CACHE_DTYPES = {"fp8", "fp8_e4m3"}
 

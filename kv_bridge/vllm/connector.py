@@ -1,6 +1,6 @@
 """vLLM KV-connector plugin (producer): streams each prefilled layer's KV to the decode node that asked for it.
 
-Loaded by vLLM through `kv_connector_module_path="kv_bridge.connector"`, `kv_connector="DisaggConnector"`.
+Loaded by vLLM through `kv_connector_module_path="kv_bridge.vllm.connector"`, `kv_connector="DisaggConnector"`.
 A request opts in with `SamplingParams(extra_args={"kv_transfer_params": {"transfer_id", "host", "port"}})`,
 plus `"start": P` when the decode node already holds the KV of the first P tokens: only [P, total) is sent.
 """
@@ -20,10 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_bridge import wire
-from kv_bridge.extract import Extractor, wire_dtype_for
+from kv_bridge.vllm.extract import Extractor, wire_dtype_for
 from kv_bridge.families import check_vllm_hf_config
 from kv_bridge.fingerprint import kv_spec
-from kv_bridge.layouts import layout_for
+from kv_bridge.vllm.layouts import layout_for
 from kv_bridge.sender import KVSender
 
 # under vLLM's logger namespace, so our lines reach vLLM's handlers inside its worker processes

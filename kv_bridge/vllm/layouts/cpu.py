@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kv_bridge.layouts.base import PagedLayout, permute
+from kv_bridge.vllm.layouts.base import PagedLayout, permute
 
 
 class CpuAttnLayout(PagedLayout):
