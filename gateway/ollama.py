@@ -25,6 +25,7 @@ from .errors import APIError, ClientDisconnected, InvalidRequest, NoHealthyNode
 from .metrics import RequestRecord
 from .ollama_schemas import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
 from .serving import STATE, GatewayState, endpoint
+from .upstream import Prompt
 
 log = logging.getLogger("gateway.ollama")
 
@@ -270,7 +271,7 @@ async def _run(request: web.Request, st: GatewayState, rec: RequestRecord, job: 
     assert st.orchestrator is not None and job.prompt is not None and job.sampling is not None, "app not started"
     clock = Clock(rec.t0, t_gen=time.monotonic())
     rec.started(job.route.id)
-    gen = await st.orchestrator.start(job.route, job.prompt, job.sampling)
+    gen = await st.orchestrator.start(job.route, Prompt(job.prompt, job.upstream), job.sampling)
     rec.path = gen.planned_path
     try:
         if job.stream:
@@ -305,7 +306,7 @@ def _ndjson(obj: dict) -> bytes:
 
 async def _stream(request: web.Request, job: Job, gen, rec: RequestRecord, clock: Clock) -> web.StreamResponse:
     resp = web.StreamResponse(headers={
-        "Content-Type": "application/x-ndjson", "x-disagg-path": gen.planned_path,
+        "Content-Type": "application/x-ndjson", "x-disagg-path": str(gen.planned_path),
         "x-disagg-decode-node": gen.decode.name,
     })
     try:

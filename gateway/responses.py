@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer, decoders
 
-from .generation import Token
+from kv_bridge.protocol import TokenLine as Token
 
 
 @lru_cache(maxsize=1)

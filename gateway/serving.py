@@ -15,15 +15,16 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from kv_bridge.config import ModelRoute, Settings
+from kv_bridge.protocol import Sampling
 
 from .errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
 from .metrics import Metrics, RequestRecord
 from .nodes import NodePool
-from .generation import Sampling
 from .orchestrator import Choices, Orchestrator, per_choice
 from .responses import ChatRenderer, ChoiceResult, CompletionRenderer, TokenPieces
 from .schemas import GenerationRequest, parse_json, usage
 from .tokenizer import ChatTokenizer
+from .upstream import Prompt
 
 log = logging.getLogger("gateway.serving")
 
@@ -98,12 +99,12 @@ def sampling_for(req: GenerationRequest, max_tokens: int, logprobs: int | None) 
         max_tokens=max_tokens, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), seed=req.seed,
         stop=req.stop_list(), top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
         presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
-        repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=dict(req.logit_bias or {}),
+        repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
         logprobs=logprobs,
     )
 
 
-async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route: ModelRoute, prompt: list[int],
+async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route: ModelRoute, prompt: Prompt,
               sampling: Sampling, n: int, stream: bool, renderer: Renderer) -> web.StreamResponse:
     """Generate n choices of `prompt` and answer with them."""
     assert st.orchestrator is not None, "app not started"
@@ -161,7 +162,7 @@ async def _stream(request: web.Request, choices: Choices, renderer: Renderer, re
         headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
-            "x-disagg-path": gen.planned_path,
+            "x-disagg-path": str(gen.planned_path),
             "x-disagg-decode-node": gen.decode.name,
         }
     )
