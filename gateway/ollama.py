@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kv_bridge.config import ModelRoute, resolve_model_path
 
-from .errors import APIError, ClientDisconnected, InvalidRequest, NoHealthyNode
+from .errors import APIError, ClientDisconnected, InvalidRequest, NoHealthyNode, is_ollama_path
 from .metrics import RequestRecord
 from .ollama_schemas import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
 from .serving import STATE, GatewayState, endpoint
@@ -146,10 +146,6 @@ def build_card(route: ModelRoute) -> ModelCard:
 
 # ---- the error boundary for Ollama paths ----
 
-def _is_ollama(path: str) -> bool:
-    return path == "/" or path == "/api" or path.startswith("/api/")
-
-
 def _error(message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers or None)
 
@@ -157,7 +153,7 @@ def _error(message: str, status: int, headers: dict[str, str] | None = None) -> 
 @web.middleware
 async def ollama_errors(request: web.Request, handler) -> web.StreamResponse:
     """Ollama clients read `{"error": "..."}`; it runs inside the OpenAI middleware, so it sees errors first."""
-    if not _is_ollama(request.path):
+    if not is_ollama_path(request.path):
         return await handler(request)
     try:
         return await handler(request)
