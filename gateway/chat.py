@@ -9,7 +9,7 @@ import asyncio
 from aiohttp import web
 
 from .metrics import RequestRecord
-from .responses import ChatRenderer
+from .responses import ChatRenderer, OpenAIFraming
 from .schemas import parse_chat_request, resolve_max_tokens
 from .serving import STATE, GatewayState, endpoint, read_body, run, sampling_for
 from .upstream import Prompt, UpstreamInput
@@ -32,7 +32,7 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     sampling = sampling_for(req, max_tokens, req.top_alternatives())
     renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs))
     return await run(request, st, rec, route, Prompt(prompt, inp), sampling, req.choices(), bool(req.stream),
-                     renderer)
+                     OpenAIFraming(renderer))
 
 
 chat_completions = endpoint(_chat)

@@ -9,7 +9,7 @@ import asyncio
 from aiohttp import web
 
 from .metrics import RequestRecord
-from .responses import CompletionRenderer
+from .responses import CompletionRenderer, OpenAIFraming
 from .schemas import DEFAULT_COMPLETION_MAX_TOKENS, parse_completion_request, resolve_max_tokens
 from .serving import GatewayState, endpoint, read_body, run, sampling_for
 from .upstream import Prompt, UpstreamInput
@@ -31,7 +31,8 @@ async def _completions(request: web.Request, st: GatewayState, rec: RequestRecor
                                     param="prompt")
     sampling = sampling_for(req, max_tokens, req.logprobs)
     renderer = CompletionRenderer(req.model, st.pieces(route.id), req.include_usage(), req.logprobs is not None)
-    return await run(request, st, rec, route, Prompt(ids, inp), sampling, req.choices(), bool(req.stream), renderer)
+    return await run(request, st, rec, route, Prompt(ids, inp), sampling, req.choices(), bool(req.stream),
+                     OpenAIFraming(renderer))
 
 
 completions = endpoint(_completions)
