@@ -240,7 +240,7 @@ def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
 def test_finished_cache_continues_like_mlx_alone(mlx_ref):
     """The prefix-reuse hook: a finished job hands over its cache and the tokens it holds (prompt + generated);
     a new job started from that cache, running only what follows, decodes exactly as MLX alone on everything."""
-    from backends.decode_node import Job, MLXModel
+    from backends.decode_engine import Job, MLXModel
     from kv_bridge.protocol import Sampling
 
     _, tok = mlx_ref

@@ -12,9 +12,10 @@ import pytest
 import tiny_models
 from backends import decode_engine
 from backends.common import NodeError
-from backends.decode_node import DecodeService, Job, MLXModel
-from kv_bridge.protocol import Sampling
+from backends.decode_engine import Job, MLXModel
+from backends.decode_node import DecodeService
 from kv_bridge.config import Settings
+from kv_bridge.protocol import Sampling
 from stack import free_port
 
 
