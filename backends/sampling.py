@@ -1,4 +1,4 @@
-"""Sampling parameters a decode node accepts, mlx-lm's sampler and logits processors built from them, per-token
+"""The protocol's Sampling parsed on a decode node, mlx-lm's sampler and logits processors built from them, per-token
 logprobs, and stop-string matching over streamed text.
 
 `make_sampling` and `token_logprobs` touch MLX: call them on the model's MLX thread only.
@@ -6,89 +6,27 @@ logprobs, and stop-string matching over streamed text.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 from backends.common import bad_request
+from kv_bridge.protocol import ProtocolError, Sampling
 from kv_bridge.stops import StopMatcher  # noqa: F401 (re-exported: the decode node imports it from here)
 
-MAX_TOP_LOGPROBS = 20
 PENALTY_CONTEXT = 20  # mlx-lm's default window for repetition/presence/frequency penalties
 MIN_LOGPROB = -9999.0  # what a -inf logprob is reported as (JSON has no infinity), as vLLM does
-_SEED_SPACE = 1 << 64  # mx.random.seed takes an unsigned 64-bit seed
 
 
-@dataclass(frozen=True)
-class GenParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0  # 0: off
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1: off
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
-
-    @classmethod
-    def parse(cls, body: dict) -> "GenParams":
-        """From a /v1/generate body (docs/protocol.md); raises a 400 NodeError on a bad value."""
-        def num(key: str, default, kind=float):
-            value = body.get(key)
-            return default if value is None else kind(value)
-
-        try:
-            p = cls(max_tokens=num("max_tokens", 256, int), temperature=num("temperature", 0.0),
-                    top_p=num("top_p", 1.0), seed=_seed(body.get("seed")), stop=list(body.get("stop") or []),
-                    top_k=num("top_k", 0, int), min_p=num("min_p", 0.0),
-                    presence_penalty=num("presence_penalty", 0.0), frequency_penalty=num("frequency_penalty", 0.0),
-                    repetition_penalty=num("repetition_penalty", 1.0), logit_bias=_bias(body.get("logit_bias")),
-                    logprobs=num("logprobs", None, int))
-        except (TypeError, ValueError, AttributeError) as e:
-            raise bad_request(f"bad sampling parameter: {e}") from None
-        p._check()
-        return p
-
-    def _check(self) -> None:
-        floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty,
-                  self.repetition_penalty, *self.logit_bias.values())
-        if not all(math.isfinite(v) for v in floats):
-            raise bad_request("sampling parameters must be finite numbers")
-        rules = [
-            (self.max_tokens >= 1, "max_tokens >= 1"), (self.temperature >= 0, "temperature >= 0"),
-            (0 < self.top_p <= 1, "0 < top_p <= 1"), (self.top_k >= 0, "top_k >= 0"),
-            (0 <= self.min_p <= 1, "0 <= min_p <= 1"),
-            (abs(self.presence_penalty) <= 2 and abs(self.frequency_penalty) <= 2, "penalties in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty > 0"),
-            (all(t >= 0 and abs(b) <= 100 for t, b in self.logit_bias.items()),
-             "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"logprobs in [0, {MAX_TOP_LOGPROBS}]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop is a list of non-empty strings"),
-        ]
-        broken = [what for ok, what in rules if not ok]
-        if broken:
-            raise bad_request(f"bad sampling parameters: need {', '.join(broken)}")
-
-    def check_vocab(self, vocab_size: int) -> None:
-        bad = [t for t in self.logit_bias if t >= vocab_size]
-        if bad:
-            raise bad_request(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+def parse_sampling(body: dict, vocab_size: int | None = None) -> Sampling:
+    """The protocol's Sampling from a /v1/generate body, its logit_bias ids checked against `vocab_size` when given;
+    raises a 400 NodeError on a bad value."""
+    try:
+        s = Sampling.from_json(body)
+        if vocab_size is not None:
+            s.check_vocab(vocab_size)
+    except ProtocolError as e:
+        raise bad_request(str(e)) from None
+    return s
 
 
-def _seed(value) -> int | None:
-    return None if value is None else int(value) % _SEED_SPACE
-
-
-def _bias(value) -> dict[int, float]:
-    if not value:
-        return {}
-    return {int(k): float(v) for k, v in value.items()}
-
-
-def make_sampling(gen: GenParams, history: list[int], vocab_size: int):
+def make_sampling(gen: Sampling, history: list[int], vocab_size: int):
     """(sampler, logits_processors) for mlx-lm's stream_generate or BatchGenerator. `history`: prompt tokens the
     generator will not see (their KV came from prefill), so penalties look at the same window on every path; pass []
     to BatchGenerator, which takes them as all_tokens. A seeded sampler has its own key. MLX thread only."""
@@ -114,7 +52,7 @@ def make_sampling(gen: GenParams, history: list[int], vocab_size: int):
     return sampler, processors
 
 
-def _seeded_sampler(gen: GenParams, top_k: int):
+def _seeded_sampler(gen: Sampling, top_k: int):
     """make_sampler's chain (top_p, min_p, top_k, then temperature) drawing from the request's own key.
 
     mlx-lm's categorical sampling draws from MLX's global generator, which every request in a batch shares, so a

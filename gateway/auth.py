@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kv_bridge.config import AuthConfig, Settings, is_loopback
 
-from .errors import APIError
+from .errors import APIError, is_ollama_path
 
 log = logging.getLogger("gateway.auth")
 
@@ -53,18 +53,13 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode(errors="replace")).digest()
 
 
-def _is_ollama(path: str) -> bool:
-    # the same split gateway.ollama's error middleware makes: these paths answer {"error": "..."}
-    return path == "/" or path == "/api" or path.startswith("/api/")
-
-
 def _unauthorized(request: web.Request, problem: str) -> web.Response:
     if problem == "missing":
         err = AuthenticationError("Missing API key: send it in an Authorization header using Bearer auth "
                                   "(Authorization: Bearer YOUR_KEY)")
     else:
         err = AuthenticationError("Incorrect API key provided")  # never echoed: it may be another service's key
-    body = {"error": f"unauthorized: {err.message}"} if _is_ollama(request.path) else err.body()
+    body = {"error": f"unauthorized: {err.message}"} if is_ollama_path(request.path) else err.body()
     resp = web.json_response(body, status=401)
     # RFC 6750: a request that carried a token learns it was invalid; one that carried none learns the scheme
     resp.headers["WWW-Authenticate"] = 'Bearer realm="disagg"' + ("" if problem == "missing" else

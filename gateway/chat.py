@@ -8,11 +8,11 @@ import asyncio
 
 from aiohttp import web
 
-from . import upstream
 from .metrics import RequestRecord
-from .responses import ChatRenderer
+from .responses import ChatRenderer, OpenAIFraming
 from .schemas import parse_chat_request, resolve_max_tokens
 from .serving import STATE, GatewayState, endpoint, read_body, run, sampling_for
+from .upstream import Prompt, UpstreamInput
 
 __all__ = ["STATE", "GatewayState", "chat_completions"]
 
@@ -26,12 +26,13 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     # Tokenizing a long prompt takes milliseconds; keep it off the event loop (tokenizers releases the GIL).
     loop = asyncio.get_running_loop()
     prompt = await loop.run_in_executor(None, tok.encode_chat, req.messages_as_dicts(), req.tools or None)
-    if not req.tools:  # an upstream gets the messages; tools it would not see, so such requests stay in the cluster
-        upstream.set_chat(req.messages_as_dicts())
+    # An upstream gets the messages; tools it would not see, so such requests stay in the cluster.
+    inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
     sampling = sampling_for(req, max_tokens, req.top_alternatives())
     renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs))
-    return await run(request, st, rec, route, prompt, sampling, req.choices(), bool(req.stream), renderer)
+    return await run(request, st, rec, route, Prompt(prompt, inp), sampling, req.choices(), bool(req.stream),
+                     OpenAIFraming(renderer))
 
 
 chat_completions = endpoint(_chat)

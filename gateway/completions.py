@@ -8,11 +8,11 @@ import asyncio
 
 from aiohttp import web
 
-from . import upstream
 from .metrics import RequestRecord
-from .responses import CompletionRenderer
+from .responses import CompletionRenderer, OpenAIFraming
 from .schemas import DEFAULT_COMPLETION_MAX_TOKENS, parse_completion_request, resolve_max_tokens
 from .serving import GatewayState, endpoint, read_body, run, sampling_for
+from .upstream import Prompt, UpstreamInput
 
 
 async def _completions(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
@@ -24,14 +24,15 @@ async def _completions(request: web.Request, st: GatewayState, rec: RequestRecor
     prompt = req.single_prompt()
     if isinstance(prompt, str):
         ids = await asyncio.get_running_loop().run_in_executor(None, tok.encode_prompt, prompt)
-        upstream.set_text(prompt)  # token-id prompts cannot go upstream: another model has another vocabulary
+        inp = UpstreamInput.text(prompt)
     else:
-        ids = list(prompt)
+        ids, inp = list(prompt), None  # token-id prompts cannot go upstream: another model has another vocabulary
     max_tokens = resolve_max_tokens(req, len(ids), route.max_model_len, default=DEFAULT_COMPLETION_MAX_TOKENS,
                                     param="prompt")
     sampling = sampling_for(req, max_tokens, req.logprobs)
     renderer = CompletionRenderer(req.model, st.pieces(route.id), req.include_usage(), req.logprobs is not None)
-    return await run(request, st, rec, route, ids, sampling, req.choices(), bool(req.stream), renderer)
+    return await run(request, st, rec, route, Prompt(ids, inp), sampling, req.choices(), bool(req.stream),
+                     OpenAIFraming(renderer))
 
 
 completions = endpoint(_completions)

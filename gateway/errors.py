@@ -106,3 +106,8 @@ class ClientDisconnected(APIError):
 def status_class(status: int) -> str:
     """Metric label for an HTTP status: '4xx' or '5xx' keeps `disagg_requests_total` bounded."""
     return f"{status // 100}xx"
+
+
+def is_ollama_path(path: str) -> bool:
+    """Paths of the Ollama API, which answer errors as `{"error": "..."}`; every other path answers OpenAI's shape."""
+    return path == "/" or path == "/api" or path.startswith("/api/")

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from kv_bridge.config import ModelRoute
+from kv_bridge.protocol import DoneLine, Fallback, Path, Sampling, TokenLine
 from kv_bridge.stops import StopMatcher
 
 from .errors import UpstreamError
-from .generation import DECODE_FAILOVER, Done, Generation, Sampling, Token
+from .generation import Generation
+from .metrics import Metrics
 from .nodes import NodeState
 
-if TYPE_CHECKING:
-    from .orchestrator import Orchestrator
+# reopen(prompt, sampling, tried node names, fallbacks so far): a generation on another decode node, or None.
+Reopen = Callable[[list[int], Sampling, list[str], list[str]], Awaitable[Generation | None]]
 
 log = logging.getLogger("gateway.orchestrator")
 
@@ -30,18 +32,24 @@ class Resumable:
     recomputed here from the token ids, and from then on the gateway matches the stop strings itself (the node's own
     StopMatcher, over the same text, one token behind) while the new node runs without them, so a stop string
     spanning the break is caught where an uninterrupted run would have caught it. With no other node the original
-    error is raised: the client gets today's error event. Same interface as Generation."""
+    error is raised: the client gets today's error event. Same interface as Generation.
 
-    def __init__(self, orch: "Orchestrator", gen: Generation, sampling: Sampling) -> None:
-        self._orch, self.gen, self.sampling = orch, gen, sampling
+    `reopen` opens the continuation, `check_node` health-checks the broken node now, `detokenize(model id, ids)`
+    recomputes held-back text (None: no tokenizer, nothing recomputed)."""
+
+    def __init__(self, gen: Generation, sampling: Sampling, reopen: Reopen, metrics: Metrics,
+                 check_node: Callable[[NodeState], Awaitable[None]],
+                 detokenize: Callable[[str, list[int]], str | None]) -> None:
+        self.gen, self.sampling, self._reopen, self._metrics = gen, sampling, reopen, metrics
+        self._check_node, self._detokenize = check_node, detokenize
         self.prompt = gen.prompt  # the client's prompt; usage counts it, not a continuation's longer one
         self.ids: list[int] = []  # every token received, across nodes
-        self.done: Done | None = None
+        self.done: DoneLine | None = None
         self.failovers = 0
         self._text = ""  # the text handed to the consumer (or waiting in `_pending`) so far
         self._carry = ""  # text the broken node held back, prepended to the next token's
         self._stops: StopMatcher | None = None  # the gateway's stop matching, after a failover with stop strings
-        self._pending: Token | None = None  # with `_stops`: the newest token, held until the next shows it final
+        self._pending: TokenLine | None = None  # with `_stops`: the newest token, held until the next shows it final
         self._tried = [gen.decode.name]
 
     @property
@@ -57,11 +65,11 @@ class Resumable:
         return self.gen.request_id
 
     @property
-    def planned_path(self) -> str:
+    def planned_path(self) -> Path:
         return self.gen.planned_path
 
     @property
-    def path(self) -> str:
+    def path(self) -> Path:
         return self.gen.path
 
     @property
@@ -78,7 +86,7 @@ class Resumable:
     async def close(self) -> None:
         await self.gen.close()
 
-    async def tokens(self) -> AsyncIterator[Token]:
+    async def tokens(self) -> AsyncIterator[TokenLine]:
         stopped = False
         while not stopped:
             try:
@@ -106,7 +114,7 @@ class Resumable:
             yield tok
         self.done = self._final_done(stopped)
 
-    def _receive(self, tok: Token) -> tuple[Token, bool]:
+    def _receive(self, tok: TokenLine) -> tuple[TokenLine, bool]:
         """The token as the client sees it, and whether the gateway's stop matching ended the generation."""
         self.ids.append(tok.token_id)
         text, hit = self._carry + tok.text, False
@@ -117,10 +125,10 @@ class Resumable:
         self._text += text
         return tok, hit
 
-    def _final_done(self, stopped: bool) -> Done:
+    def _final_done(self, stopped: bool) -> DoneLine:
         """The done line the client's request gets: its own prompt and every token generated for it."""
         if stopped or self.gen.done is None:  # the gateway hit a stop string, or there was nothing left to generate
-            return Done("stop" if stopped else "length", len(self.prompt), len(self.ids), 0, None, 0.0, 0)
+            return DoneLine("stop" if stopped else "length", len(self.prompt), len(self.ids))
         if not self.failovers:
             return self.gen.done
         return replace(self.gen.done, prompt_tokens=len(self.prompt), completion_tokens=len(self.ids))
@@ -128,18 +136,17 @@ class Resumable:
     async def _close_broken(self) -> None:
         """Drop the broken stream; a dead node is marked down now rather than at the next health poll."""
         await self.gen.close()
-        await self._orch.pool.check(self._orch.session, self.gen.decode)
+        await self._check_node(self.gen.decode)
 
     async def _resume(self, err: UpstreamError) -> bool:
         """Continue on another decode node of the pool; False when none can (the caller then raises `err`)."""
-        orch, broken = self._orch, self.gen
+        broken = self.gen
         self._carry = self._held_text()
         stops = self.sampling.stop
         sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.ids), stop=[])
         prompt = [*self.prompt, *self.ids]
-        fallbacks = [*broken.fallbacks, DECODE_FAILOVER]
-        gen = await orch.open_on_pool(self.route, prompt, sampling, self._tried, fallbacks,
-                                      orch.affinity.hashes(self.route.id, prompt))
+        fallbacks = [*broken.fallbacks, Fallback.DECODE_FAILOVER]
+        gen = await self._reopen(prompt, sampling, self._tried, fallbacks)
         if gen is None:
             log.warning("decode node %s broke mid-stream (%s) and no other decode node can continue %s",
                         broken.decode.name, err.message, broken.request_id)
@@ -147,7 +154,7 @@ class Resumable:
         log.warning("decode node %s broke mid-stream after %d tokens (%s); %s continues on %s as %s",
                     broken.decode.name, len(self.ids), err.message, broken.request_id, gen.decode.name,
                     gen.request_id)
-        orch.metrics.fallback(self.route.id, DECODE_FAILOVER)
+        self._metrics.fallback(self.route.id, Fallback.DECODE_FAILOVER)
         self._tried.append(gen.decode.name)
         if stops:  # a fresh matcher: what the old one held is in `_carry` now
             self._stops = StopMatcher(stops)
@@ -157,7 +164,7 @@ class Resumable:
     def _held_text(self) -> str:
         """The text of the tokens received that the broken node never sent (the detokenizer's incomplete character,
         the StopMatcher's tail): the full decode of the ids, less what the consumer already has."""
-        full = self._orch.detokenize(self.route.id, self.ids)
+        full = self._detokenize(self.route.id, self.ids)
         if full is None or not full.startswith(self._text):
             if full is not None:
                 log.warning("%s: the decoded tokens do not extend the streamed text; dropping the held-back text",

@@ -173,3 +173,29 @@ class PrefixAffinity:
         self._nodes.move_to_end(hashes[-1])
         while len(self._nodes) > self.capacity:
             self._nodes.popitem(last=False)
+
+
+class Lease:
+    """One admitted generation's hold on the cluster, taken by the orchestrator and released once by the generation:
+    the model's in-flight count, the decode node's (None for the upstream), and on a finished release the prompt's
+    prefix remembered for that node."""
+
+    def __init__(self, admitted: dict[str, int], model_id: str, node: NodeState | None,
+                 affinity: PrefixAffinity | None = None, prefix: list[bytes] | None = None) -> None:
+        self._admitted, self.model_id, self.node = admitted, model_id, node
+        self._affinity, self._prefix = affinity, prefix or []
+        self._held = True
+        admitted[model_id] = admitted.get(model_id, 0) + 1
+        if node is not None:
+            node.inflight += 1
+
+    def release(self, finished: bool) -> None:
+        """Undo the counts (idempotent); `finished`: the generation completed, so its node now holds the prefix."""
+        if not self._held:
+            return
+        self._held = False
+        self._admitted[self.model_id] -= 1
+        if self.node is not None:
+            self.node.inflight -= 1
+            if finished and self._affinity is not None:
+                self._affinity.remember(self._prefix, self.node.name)

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -21,10 +20,12 @@ from aiohttp import web
 
 from kv_bridge.config import ModelRoute, resolve_model_path
 
-from .errors import APIError, ClientDisconnected, InvalidRequest, NoHealthyNode
+from .errors import APIError, InvalidRequest, NoHealthyNode, is_ollama_path
 from .metrics import RequestRecord
 from .ollama_schemas import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
-from .serving import STATE, GatewayState, endpoint
+from .relay import Framing, ndjson
+from .serving import STATE, GatewayState, endpoint, run
+from .upstream import Prompt
 
 log = logging.getLogger("gateway.ollama")
 
@@ -145,10 +146,6 @@ def build_card(route: ModelRoute) -> ModelCard:
 
 # ---- the error boundary for Ollama paths ----
 
-def _is_ollama(path: str) -> bool:
-    return path == "/" or path == "/api" or path.startswith("/api/")
-
-
 def _error(message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers or None)
 
@@ -156,7 +153,7 @@ def _error(message: str, status: int, headers: dict[str, str] | None = None) -> 
 @web.middleware
 async def ollama_errors(request: web.Request, handler) -> web.StreamResponse:
     """Ollama clients read `{"error": "..."}`; it runs inside the OpenAI middleware, so it sees errors first."""
-    if not _is_ollama(request.path):
+    if not is_ollama_path(request.path):
         return await handler(request)
     try:
         return await handler(request)
@@ -267,91 +264,50 @@ def _load_reply(st: GatewayState, job: Job) -> web.Response:
 
 
 async def _run(request: web.Request, st: GatewayState, rec: RequestRecord, job: Job) -> web.StreamResponse:
-    assert st.orchestrator is not None and job.prompt is not None and job.sampling is not None, "app not started"
-    clock = Clock(rec.t0, t_gen=time.monotonic())
-    rec.started(job.route.id)
-    gen = await st.orchestrator.start(job.route, job.prompt, job.sampling)
-    rec.path = gen.planned_path
-    try:
-        if job.stream:
-            return await _stream(request, job, gen, rec, clock)
-        return await _complete(request, job, gen, rec, clock)
-    finally:
-        await gen.close()
+    assert job.prompt is not None and job.sampling is not None
+    framing = OllamaFraming(job, Clock(rec.t0, t_gen=time.monotonic()))
+    return await run(request, st, rec, job.route, Prompt(job.prompt, job.upstream), job.sampling, 1, job.stream,
+                     framing)
 
 
-async def _complete(request: web.Request, job: Job, gen, rec: RequestRecord, clock: Clock) -> web.Response:
-    parts, ids = [], []
-    async for tok in gen.tokens():
-        rec.token()
-        clock.token()
-        parts.append(tok.text)
+class OllamaFraming(Framing):
+    """Ollama's answer: one JSON object with the whole text and its timings, or NDJSON chunks ending in that object
+    (a last `{"error": ...}` line when it fails mid-stream)."""
+
+    stream_headers = {"Content-Type": "application/x-ndjson"}
+    encode = staticmethod(ndjson)
+
+    def __init__(self, job: Job, clock: Clock) -> None:
+        self.job, self.clock = job, clock
+        self.parts: list[str] = []
+        self.ids: list[int] = []  # for `context`
+
+    def _count(self, tok) -> None:
+        self.clock.token()
         if tok.token_id >= 0:  # upstream tokens (-1) are not ours; they cannot go into `context`
-            ids.append(tok.token_id)
-        if request.transport is None or request.transport.is_closing():
-            # Nobody will read the answer: stop, and closing the decode stream stops the node too.
-            raise ClientDisconnected("client closed the connection")
-    clock.t_end = time.monotonic()
-    await gen.close()  # settles the prefill call, whose wall time goes into the headers
-    assert gen.done is not None
-    rec.path = gen.path
-    rec.generation_done(gen.done, gen.prefill_s)
-    return web.json_response(final(job, "".join(parts), gen.done, clock, ids), headers=gen.headers())
+            self.ids.append(tok.token_id)
 
+    def keep(self, index: int, tok) -> None:
+        self._count(tok)
+        self.parts.append(tok.text)
 
-def _ndjson(obj: dict) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    def ended(self, index: int, done) -> None:
+        self.clock.t_end = time.monotonic()
 
+    def body(self, dones: list) -> dict:
+        return final(self.job, "".join(self.parts), dones[0], self.clock, self.ids)
 
-async def _stream(request: web.Request, job: Job, gen, rec: RequestRecord, clock: Clock) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={
-        "Content-Type": "application/x-ndjson", "x-disagg-path": gen.planned_path,
-        "x-disagg-decode-node": gen.decode.name,
-    })
-    try:
-        await resp.prepare(request)
-    except ConnectionResetError:
-        status = "cancelled"
-    else:
-        status = await _relay(resp, job, gen, rec, clock)
-    with contextlib.suppress(ConnectionResetError):
-        await resp.write_eof()
-    # The client has its answer; now settle the prefill call (for its metric) and close the upstream stream.
-    await gen.close()
-    rec.path = gen.path
-    if status == "ok" and gen.done is not None:
-        rec.generation_done(gen.done, gen.prefill_s)
-    rec.finish(status)
-    return resp
+    def token(self, index: int, tok) -> dict | None:
+        self._count(tok)
+        # A token that ends mid-codepoint has no text yet; the next one carries it.
+        return chunk(self.job, tok.text) if tok.text else None
 
+    def finish(self, index: int, done) -> dict:
+        self.clock.t_end = time.monotonic()
+        return final(self.job, "", done, self.clock, self.ids)
 
-async def _relay(resp: web.StreamResponse, job: Job, gen, rec: RequestRecord, clock: Clock) -> str:
-    """Write every line; return the outcome label. Nothing raised here may escape: the headers are sent."""
-    ids = []
-    try:
-        async for tok in gen.tokens():
-            rec.token()
-            clock.token()
-            if tok.token_id >= 0:  # upstream tokens (-1) are not ours; they cannot go into `context`
-                ids.append(tok.token_id)
-            if tok.text:  # a token that ends mid-codepoint has no text yet; the next one carries it
-                await resp.write(_ndjson(chunk(job, tok.text)))
-        clock.t_end = time.monotonic()
-        assert gen.done is not None
-        await resp.write(_ndjson(final(job, "", gen.done, clock, ids)))
-        return "ok"
-    except ConnectionResetError:
-        log.info("client went away during %s; closing the decode stream", gen.request_id)
-        return "cancelled"
-    except APIError as e:
-        log.warning("stream %s failed: %s", gen.request_id, e.message)
-        message = e.message
-    except Exception:
-        log.exception("stream %s failed", gen.request_id)
-        message = "internal error while streaming; see gateway logs"
-    with contextlib.suppress(ConnectionResetError):
-        await resp.write(_ndjson({"error": message}))  # Ollama's mid-stream failure: a last line with "error"
-    return "error"
+    def error(self, err: APIError) -> list[dict]:
+        return [{"error": err.message}]  # Ollama's mid-stream failure: a last line with "error"
 
 
 def add_routes(app: web.Application) -> None:

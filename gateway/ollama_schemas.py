@@ -17,11 +17,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kv_bridge.config import ModelRoute
+from kv_bridge.protocol import DoneLine as Done
+from kv_bridge.protocol import Sampling
 
-from . import upstream
 from .chat import GatewayState
 from .errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
-from .generation import Done, Sampling
+from .upstream import UpstreamInput
 
 # Ollama's documented defaults. Its repeat_penalty default (1.1) is not applied unless asked for: it would make
 # greedy answers differ from the OpenAI path and from vLLM's and MLX's own generation.
@@ -92,6 +93,7 @@ class Job:
     stream: bool
     prompt: list[int] | None = None
     sampling: Sampling | None = None
+    upstream: UpstreamInput | None = None  # what an upstream gets instead of `prompt` (None: cannot go there)
     context: bool = False  # answer with `context` (generate, not raw)
     load_reason: str = "load"
 
@@ -246,14 +248,14 @@ async def parse_generate(request: web.Request, st: GatewayState, vocab_sizes: di
     tok = st.tokenizers[route.id]
     if body.raw:
         job.prompt = await _encode(tok.encode, body.prompt or "")
-        upstream.set_text(body.prompt or "")
+        job.upstream = UpstreamInput.text(body.prompt or "")
     else:
         msgs = [{"role": "system", "content": body.system}] if body.system else []
         msgs.append({"role": "user", "content": body.prompt or ""})
         history = _check_context(body.context or [], vocab_sizes.get(route.id))
         job.prompt = history + await _encode(tok.encode_chat, msgs)
         if not history:  # `context` is our token ids, which an upstream model cannot read
-            upstream.set_chat(msgs)
+            job.upstream = UpstreamInput.chat(msgs)
     job.sampling = build_sampling(body.options, len(job.prompt), route)
     return job
 
@@ -278,7 +280,7 @@ async def parse_chat(request: web.Request, st: GatewayState) -> Job:
         return job
     msgs = [{"role": m.role, "content": m.content or ""} for m in body.messages]
     job.prompt = await _encode(st.tokenizers[route.id].encode_chat, msgs)
-    upstream.set_chat(msgs)
+    job.upstream = UpstreamInput.chat(msgs)
     job.sampling = build_sampling(body.options, len(job.prompt), route)
     return job
 

@@ -22,32 +22,31 @@ from typing import AsyncIterator, Callable
 import aiohttp
 
 from kv_bridge.config import ModelRoute, Settings
+from kv_bridge.protocol import SEED_SPACE, DoneLine, Fallback, Sampling, TokenLine
 
 from .errors import NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
 from .failover import Resumable
-from .generation import (CONNECT_TIMEOUT_S, DECODE_NODE_BUSY, DECODE_NODE_FAILED, NO_CAPACITY, Done, Generation,
-                         Sampling, Token)
-from .nodes import NodePool, NodeState, PrefixAffinity
-from .upstream import UPSTREAM, UpstreamGeneration, check_upstreams, current_input
+from .generation import Generation
+from .node_client import NodeClient
+from .nodes import Lease, NodePool, NodeState, PrefixAffinity
+from .upstream import Prompt, UpstreamGeneration, check_upstreams
 
 log = logging.getLogger("gateway.orchestrator")
 
-_SEED_SPACE = 1 << 64  # seeds are unsigned 64-bit on the decode node
-
 
 class Orchestrator:
+    """Admission (max_inflight), node choice and the fallbacks in order; every generation it opens holds a `Lease`
+    (in-flight counts, affinity) that the generation releases when it closes."""
+
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, pool: NodePool,
                  detokenize: Callable[[str, list[int]], str] | None = None) -> None:
         check_upstreams(settings.models)
         # (model id, token ids) -> text; a mid-stream failover recomputes the text the broken node held back with it.
         self._detokenize = detokenize
-        self.session = session
         self.pool = pool
         self.metrics = pool.metrics
         self.metrics.declare(m.id for m in settings.models)
-        self.stream_timeout = aiohttp.ClientTimeout(
-            total=settings.gateway.request_timeout_s, sock_connect=CONNECT_TIMEOUT_S
-        )
+        self.client = NodeClient(session, pool, settings.gateway.request_timeout_s)
         gw = settings.gateway
         self.retry_after_s, self.affinity_slack = gw.retry_after_s, gw.affinity_slack
         self.affinity = PrefixAffinity(gw.affinity_entries, gw.affinity_block_tokens)
@@ -56,8 +55,8 @@ class Orchestrator:
     def detokenize(self, model_id: str, ids: list[int]) -> str | None:
         return None if self._detokenize is None else self._detokenize(model_id, ids)
 
-    def admitted(self, route: ModelRoute, delta: int) -> None:
-        self.inflight[route.id] = self.inflight.get(route.id, 0) + delta
+    def _lease(self, route: ModelRoute, node: NodeState | None, prefix: list[bytes] | None = None) -> Lease:
+        return Lease(self.inflight, route.id, node, self.affinity, prefix)
 
     def choose_prefill(self, route: ModelRoute, prompt: list[int]) -> NodeState | None:
         """A prefill node when the path is worth disaggregating: one is available and the KV range is long enough."""
@@ -65,23 +64,27 @@ class Orchestrator:
             return None
         return self.pool.pick(route.prefill)
 
-    async def start(self, route: ModelRoute, prompt: list[int], sampling: Sampling) -> Generation | UpstreamGeneration:
+    async def start(self, route: ModelRoute, prompt: Prompt,
+                    sampling: Sampling) -> Resumable | UpstreamGeneration:
         """Open a generation: the conversation's decode node or the least-loaded one, then the next on failure, then
         the upstream; 429 at the model's limit or when every node is full, 503 when nothing can serve."""
         limit = route.max_inflight
         if limit is not None and self.inflight.get(route.id, 0) >= limit:
-            self.metrics.fallback(route.id, NO_CAPACITY)
+            self.metrics.fallback(route.id, Fallback.NO_CAPACITY)
             raise RateLimited(f"model {route.id!r} has {limit} generations in flight (its max_inflight); retry in "
                               f"{self.retry_after_s}s", self.retry_after_s)
-        prefix = self.affinity.hashes(route.id, prompt)
+        prefix = self.affinity.hashes(route.id, prompt.ids)
         prefer = self._remembered(route, prefix)
         tried: list[str] = []
         busy: list[str] = []
         fallbacks: list[str] = []
-        gen = await self.open_on_pool(route, prompt, sampling, tried, fallbacks, prefix, prefer, busy)
+        gen = await self.open_on_pool(route, prompt.ids, sampling, tried, fallbacks, prefix, prefer, busy)
         if gen is None:
             return await self._beyond_the_pool(route, prompt, sampling, tried, fallbacks, busy)
-        return Resumable(self, gen, sampling)
+
+        async def reopen(ids: list[int], s: Sampling, tried: list[str], fallbacks: list[str]) -> Generation | None:
+            return await self.open_on_pool(route, ids, s, tried, fallbacks, self.affinity.hashes(route.id, ids))
+        return Resumable(gen, sampling, reopen, self.metrics, self.client.check, self.detokenize)
 
     async def open_on_pool(self, route: ModelRoute, prompt: list[int], sampling: Sampling, tried: list[str],
                            fallbacks: list[str], prefix: list[bytes], prefer: str | None = None,
@@ -95,7 +98,8 @@ class Orchestrator:
                 self.metrics.affinity.labels(route.id, "hit" if decode and decode.name == prefer else "skipped").inc()
             if decode is None:
                 return None
-            gen = Generation(self, route, decode, self.choose_prefill(route, prompt), prompt, prefix, fallbacks)
+            gen = Generation(self.client, self._lease(route, decode, prefix), route, decode,
+                             self.choose_prefill(route, prompt), prompt, fallbacks)
             try:
                 await gen.open(sampling)
                 return gen
@@ -103,11 +107,11 @@ class Orchestrator:
                 await gen.close()
                 if isinstance(e, NodeUnavailable):
                     self.pool.mark(decode, False, e.message)
-                reason = DECODE_NODE_BUSY if isinstance(e, NodeBusy) else DECODE_NODE_FAILED
-                if reason == DECODE_NODE_BUSY:
+                reason = Fallback.DECODE_NODE_BUSY if isinstance(e, NodeBusy) else Fallback.DECODE_NODE_FAILED
+                if reason == Fallback.DECODE_NODE_BUSY:
                     busy.append(decode.name)
                 log.warning("decode node %s %s before streaming (%s); trying the next", decode.name,
-                            "was busy" if reason == DECODE_NODE_BUSY else "failed", e.message)
+                            "was busy" if reason == Fallback.DECODE_NODE_BUSY else "failed", e.message)
                 tried.append(decode.name)
                 fallbacks.append(reason)
                 self.metrics.fallback(route.id, reason)
@@ -125,7 +129,7 @@ class Orchestrator:
             return None
         return hit[0]
 
-    async def _beyond_the_pool(self, route: ModelRoute, prompt: list[int], sampling: Sampling, tried: list[str],
+    async def _beyond_the_pool(self, route: ModelRoute, prompt: Prompt, sampling: Sampling, tried: list[str],
                                fallbacks: list[str], busy: list[str] = ()) -> UpstreamGeneration:
         """No decode node can serve: the upstream when one is configured and the request can go there; else 429
         when healthy nodes are only full (at max_inflight, or refusing with 429), 503 when none is healthy."""
@@ -133,9 +137,9 @@ class Orchestrator:
         why = (f"every decode node of model {route.id!r} is full: at its max_inflight or in-flight KV cap "
                f"({', '.join(full)})" if full else
                f"no healthy decode node for model {route.id!r}" + (f" (tried {', '.join(tried)})" if tried else ""))
-        inp = current_input()
-        if route.upstream is not None and inp is not None and sampling.logprobs is None:
-            gen = UpstreamGeneration(self, route, prompt, inp, [*fallbacks, UPSTREAM])
+        if route.upstream is not None and prompt.upstream is not None and sampling.logprobs is None:
+            gen = UpstreamGeneration(self._lease(route, None), route, prompt.ids, prompt.upstream,
+                                     [*fallbacks, Fallback.UPSTREAM])
             try:
                 await gen.open(sampling)
             except UpstreamError as e:
@@ -147,39 +151,28 @@ class Orchestrator:
                 raise
             else:
                 log.info("%s; serving from the upstream %s", why, route.upstream.model)
-                self.metrics.fallback(route.id, UPSTREAM)
+                self.metrics.fallback(route.id, Fallback.UPSTREAM)
                 return gen
-        self.metrics.fallback(route.id, NO_CAPACITY)
+        self.metrics.fallback(route.id, Fallback.NO_CAPACITY)
         if full:
             raise RateLimited(f"{why}; retry in {self.retry_after_s}s", self.retry_after_s)
         raise NoHealthyNode(f"{why}; retry later")
-
-    async def abort_transfer(self, decode: NodeState, request_id: str) -> None:
-        url = f"{decode.url}/v1/transfers/{request_id}/abort"
-        try:
-            async with self.session.post(url, timeout=aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S)) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    log.warning("abort of %s on %s answered HTTP %s", request_id, decode.name, resp.status)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            log.warning("abort of %s on %s failed: %s", request_id, decode.name, e)
-
 
 def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
     """One Sampling per choice. A seed is offset by the choice index (as vLLM does), so a seeded n=2 request
     gives two different, reproducible choices rather than two copies."""
     if sampling.seed is None:
         return [replace(sampling) for _ in range(n)]
-    return [replace(sampling, seed=(sampling.seed + i) % _SEED_SPACE) for i in range(n)]
+    return [replace(sampling, seed=(sampling.seed + i) % SEED_SPACE) for i in range(n)]
 
 
 class Choices:
     """Start with `start()`, iterate `events()`: (index, Token) per token, (index, None) when choice `index`
     is done (its `done` line is then in `dones[index]`). Always `close()`."""
 
-    def __init__(self, orch: Orchestrator, route: ModelRoute, prompt: list[int], samplings: list[Sampling]) -> None:
+    def __init__(self, orch: Orchestrator, route: ModelRoute, prompt: Prompt, samplings: list[Sampling]) -> None:
         self._orch, self.route, self.prompt, self.samplings = orch, route, prompt, samplings
-        self.gens: list[Generation | UpstreamGeneration] = []
+        self.gens: list[Resumable | UpstreamGeneration] = []
         self._pumps: list[asyncio.Task] = []
         self._closed = False
 
@@ -199,14 +192,14 @@ class Choices:
             raise errors[0]
 
     @property
-    def first(self) -> Generation | UpstreamGeneration:
+    def first(self) -> Resumable | UpstreamGeneration:
         return self.gens[0]
 
     @property
-    def dones(self) -> list[Done | None]:
+    def dones(self) -> list[DoneLine | None]:
         return [g.done for g in self.gens]
 
-    async def events(self) -> AsyncIterator[tuple[int, Token | None]]:
+    async def events(self) -> AsyncIterator[tuple[int, TokenLine | None]]:
         """Tokens of all choices in arrival order; the first failing choice's error is raised here."""
         q: asyncio.Queue = asyncio.Queue()
         self._pumps = [asyncio.create_task(self._pump(i, g, q)) for i, g in enumerate(self.gens)]
@@ -220,7 +213,7 @@ class Choices:
             yield index, item
 
     @staticmethod
-    async def _pump(index: int, gen: Generation | UpstreamGeneration, q: asyncio.Queue) -> None:
+    async def _pump(index: int, gen: Resumable | UpstreamGeneration, q: asyncio.Queue) -> None:
         try:
             async for tok in gen.tokens():
                 q.put_nowait((index, tok))

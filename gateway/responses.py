@@ -15,7 +15,12 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer, decoders
 
-from .generation import Token
+from kv_bridge.protocol import DoneLine
+from kv_bridge.protocol import TokenLine as Token
+
+from .errors import APIError
+from .relay import Framing, sse
+from .schemas import usage
 
 
 @lru_cache(maxsize=1)
@@ -199,3 +204,41 @@ class CompletionRenderer(_Renderer):
             for r in results
         ]
         return {**self._head(self.object), "choices": choices, "usage": use}
+
+
+class OpenAIFraming(Framing):
+    """OpenAI's answer: `renderer.body` as JSON, or its chunks as server-sent events ending in `[DONE]`."""
+
+    stream_headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    encode = staticmethod(sse)
+
+    def __init__(self, renderer: ChatRenderer | CompletionRenderer) -> None:
+        self.renderer = renderer
+        self._kept: dict[int, list[Token]] = {}
+
+    def keep(self, index: int, tok: Token) -> None:
+        self._kept.setdefault(index, []).append(tok)
+
+    def body(self, dones: list[DoneLine]) -> dict:
+        results = [ChoiceResult(i, self._kept.get(i, []), d.finish_reason) for i, d in enumerate(dones)]
+        return self.renderer.body(results, _usage(dones))
+
+    def opening(self, n: int) -> list[dict]:
+        return self.renderer.opening(n)
+
+    def token(self, index: int, tok: Token) -> dict | None:
+        return self.renderer.token(index, tok)
+
+    def finish(self, index: int, done: DoneLine) -> dict:
+        return self.renderer.finish(index, done.finish_reason)
+
+    def closing(self, dones: list[DoneLine]) -> list:
+        return [self.renderer.usage_chunk(_usage(dones)), "[DONE]"] if self.renderer.include_usage else ["[DONE]"]
+
+    def error(self, err: APIError) -> list:
+        return [err.body(), "[DONE]"]
+
+
+def _usage(dones: list[DoneLine]) -> dict:
+    # The prompt is counted once, as OpenAI does for n > 1; completions add up.
+    return usage(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones))

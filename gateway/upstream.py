@@ -3,32 +3,29 @@ provider), called through litellm when no decode node of the pool can serve. `Up
 of `generation.Generation`, so the OpenAI and Ollama handlers relay it unchanged, with path "upstream".
 
 An upstream may run a different model with a different tokenizer, so it gets the request as the client wrote it
-(chat messages or a text prompt), never our token ids. Handlers record that input with `set_chat` / `set_text`; a
-request without one (token-id prompts, tools, Ollama `context`) cannot go upstream.
+(chat messages or a text prompt), never our token ids: handlers put it in the request's `Prompt`; a prompt without
+one (token-id prompts, tools, Ollama `context`) cannot go upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import importlib
 import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from kv_bridge.config import ConfigError, ModelRoute, UpstreamConfig
+from kv_bridge.protocol import DoneLine, Path, Sampling, TokenLine
 
 from .errors import UpstreamError
-from .generation import Done, Sampling, Token
-
-if TYPE_CHECKING:
-    from .orchestrator import Orchestrator
+from .nodes import Lease
 
 log = logging.getLogger("gateway.upstream")
 
-UPSTREAM = "upstream"  # the path, and what x-disagg-decode-node says
+UPSTREAM = Path.UPSTREAM  # the path, and what x-disagg-decode-node says
 
 
 @dataclass(frozen=True)
@@ -39,21 +36,23 @@ class UpstreamInput:
     prompt: str | None = None
 
 
-_INPUT: contextvars.ContextVar[UpstreamInput | None] = contextvars.ContextVar("disagg_upstream_input", default=None)
+    @classmethod
+    def chat(cls, messages: list[dict]) -> "UpstreamInput":
+        """Chat messages, None-valued fields dropped."""
+        return cls(messages=[{k: v for k, v in m.items() if v is not None} for m in messages])
+
+    @classmethod
+    def text(cls, prompt: str) -> "UpstreamInput":
+        return cls(prompt=prompt)
 
 
-def set_chat(messages: list[dict]) -> None:
-    """Record this request's chat messages (None-valued fields dropped) for a possible upstream call."""
-    _INPUT.set(UpstreamInput(messages=[{k: v for k, v in m.items() if v is not None} for m in messages]))
+@dataclass(frozen=True)
+class Prompt:
+    """One request's prompt: the token ids the cluster runs, and the input an upstream would get instead (None: the
+    request cannot go upstream)."""
 
-
-def set_text(prompt: str) -> None:
-    _INPUT.set(UpstreamInput(prompt=prompt))
-
-
-def current_input() -> UpstreamInput | None:
-    """What the running request recorded; tasks started from its handler (n choices) see it too."""
-    return _INPUT.get()
+    ids: list[int]
+    upstream: UpstreamInput | None = None
 
 
 def check_upstreams(routes: list[ModelRoute]) -> None:
@@ -94,7 +93,7 @@ def _register(litellm: Any, model: str) -> None:
                                         "output_cost_per_token": 0.0}})
 
 
-def _request_kwargs(cfg: UpstreamConfig, sampling: "Sampling") -> dict:
+def _request_kwargs(cfg: UpstreamConfig, sampling: Sampling) -> dict:
     """litellm arguments: the OpenAI sampling fields only. top_k, min_p and repetition_penalty have no OpenAI field,
     and logit_bias names token ids of our vocabulary, which another model does not share."""
     key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
@@ -118,7 +117,7 @@ def _request_kwargs(cfg: UpstreamConfig, sampling: "Sampling") -> dict:
 class _Upstream:
     """Stands where a Generation has its decode NodeState (headers and logs read `.name`)."""
 
-    name = UPSTREAM
+    name = str(UPSTREAM)
 
 
 class UpstreamGeneration:
@@ -131,19 +130,18 @@ class UpstreamGeneration:
     prefill_s = None
     prefill_ms = 0.0
 
-    def __init__(self, orch: "Orchestrator", route: ModelRoute, prompt: list[int], inp: UpstreamInput,
+    def __init__(self, lease: Lease, route: ModelRoute, prompt: list[int], inp: UpstreamInput,
                  fallbacks: list[str]) -> None:
         assert route.upstream is not None
-        self._orch, self.route, self.prompt, self.input = orch, route, prompt, inp
+        self._lease, self.route, self.prompt, self.input = lease, route, prompt, inp
         self.fallbacks = fallbacks
         self.decode = _Upstream()
         self.request_id = f"upstream-{id(self):x}"
-        self.done: "Done | None" = None
+        self.done: DoneLine | None = None
         self._stream: Any = None
         self._closed = False
-        orch.admitted(route, +1)
 
-    async def open(self, sampling: "Sampling") -> None:
+    async def open(self, sampling: Sampling) -> None:
         """Start the upstream stream; raises UpstreamError when the upstream cannot be reached or refuses."""
         cfg = self.route.upstream
         litellm = await _load_litellm()
@@ -158,7 +156,7 @@ class UpstreamGeneration:
         except Exception as e:  # litellm maps every provider's failure to its own exception tree
             raise UpstreamError(f"upstream {cfg.model} failed: {type(e).__name__}: {e}") from None
 
-    async def tokens(self) -> AsyncIterator[Token]:
+    async def tokens(self) -> AsyncIterator[TokenLine]:
         finish, usage, n = None, None, 0
         try:
             async for chunk in self._stream:
@@ -168,18 +166,18 @@ class UpstreamGeneration:
                     finish = getattr(choice, "finish_reason", None) or finish
                     if text:
                         n += 1
-                        yield Token(-1, text)
+                        yield TokenLine(-1, text)
         except Exception as e:
             raise UpstreamError(f"upstream {self.route.upstream.model} stream broke: {type(e).__name__}: {e}") from None
         prompt_tokens = getattr(usage, "prompt_tokens", 0) or len(self.prompt)
         completion_tokens = getattr(usage, "completion_tokens", 0) or n
-        self.done = Done(finish_reason="length" if finish == "length" else "stop", prompt_tokens=prompt_tokens,
+        self.done = DoneLine(finish_reason="length" if finish == "length" else "stop", prompt_tokens=prompt_tokens,
                          completion_tokens=completion_tokens, kv_tokens=0, fallback_reason=None, kv_transfer_s=0.0,
                          kv_bytes=0)
 
     def headers(self) -> dict[str, str]:
-        out = {"x-disagg-path": UPSTREAM, "x-disagg-kv-tokens": "0", "x-disagg-prefix-tokens": "0",
-               "x-disagg-prefill-ms": "0", "x-disagg-decode-node": UPSTREAM}
+        out = {"x-disagg-path": str(UPSTREAM), "x-disagg-kv-tokens": "0", "x-disagg-prefix-tokens": "0",
+               "x-disagg-prefill-ms": "0", "x-disagg-decode-node": str(UPSTREAM)}
         if self.fallbacks:
             out["x-disagg-fallbacks"] = ",".join(self.fallbacks)
         return out
@@ -188,7 +186,7 @@ class UpstreamGeneration:
         if self._closed:
             return
         self._closed = True
-        self._orch.admitted(self.route, -1)
+        self._lease.release(finished=False)
         stream, self._stream = self._stream, None
         if stream is not None and self.done is None:
             await _close_stream(stream)

@@ -240,8 +240,8 @@ def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
 def test_finished_cache_continues_like_mlx_alone(mlx_ref):
     """The prefix-reuse hook: a finished job hands over its cache and the tokens it holds (prompt + generated);
     a new job started from that cache, running only what follows, decodes exactly as MLX alone on everything."""
-    from backends.decode_node import Job, MLXModel
-    from backends.sampling import GenParams
+    from backends.decode_engine import Job, MLXModel
+    from kv_bridge.protocol import Sampling
 
     _, tok = mlx_ref
     m = MLXModel(MODEL_ID, str(MODEL_DIR))
@@ -253,13 +253,13 @@ def test_finished_cache_continues_like_mlx_alone(mlx_ref):
 
         async def run(tokens, max_tokens, **kw):
             q, handed = asyncio.Queue(), []
-            job = Job(tokens=tokens, gen=GenParams(max_tokens=max_tokens), **kw,
+            job = Job(tokens=tokens, gen=Sampling(max_tokens=max_tokens), **kw,
                       emit=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev),
                       on_finished=lambda toks, cache: handed.append((toks, cache)))
             m.submit(job)
             out = []
             while (ev := await q.get()) is not None:
-                out.append(ev[1]["token_id"])
+                out.append(ev[1].token_id)
             return out, handed
 
         prompt = prompt_ids(tok, "The three primary colours are")

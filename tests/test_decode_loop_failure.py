@@ -10,16 +10,17 @@ import threading
 import pytest
 
 import tiny_models
-from backends import decode_node
+from backends import decode_engine
 from backends.common import NodeError
-from backends.decode_node import DecodeService, Job, MLXModel
-from backends.sampling import GenParams
+from backends.decode_engine import Job, MLXModel
+from backends.decode_node import DecodeService
 from kv_bridge.config import Settings
+from kv_bridge.protocol import Sampling
 from stack import free_port
 
 
 def job(events: queue.Queue, tokens=(1, 2, 3), max_tokens: int = 50) -> Job:
-    return Job(tokens=list(tokens), gen=GenParams.parse({"max_tokens": max_tokens, "temperature": 0}),
+    return Job(tokens=list(tokens), gen=Sampling.from_json({"max_tokens": max_tokens, "temperature": 0}),
                emit=events.put)
 
 
@@ -45,7 +46,7 @@ def test_a_dead_mlx_loop_fails_every_request_and_turns_health_to_503(tmp_path, e
     m.load()
     assert svc.health()["batch_size"] == 0
     running, die = threading.Event(), threading.Event()
-    step = decode_node._Batch.step
+    step = decode_engine._Batch.step
 
     def step_then_die(self):
         step(self)
@@ -53,7 +54,7 @@ def test_a_dead_mlx_loop_fails_every_request_and_turns_health_to_503(tmp_path, e
         if die.is_set():
             raise RuntimeError("simulated loop fault")
 
-    monkeypatch.setattr(decode_node._Batch, "step", step_then_die)
+    monkeypatch.setattr(decode_engine._Batch, "step", step_then_die)
     m.start()
     try:
         in_batch = queue.Queue()

@@ -17,17 +17,57 @@ from fakes import MODEL_DIR, MODEL_ID, FakeDecodeNode, FakePrefillNode, chat_bod
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = ("torch", "vllm", "mlx", "mlx_lm", "transformers", "backends")
-# Pure-Python kv_bridge modules the gateway shares with the nodes: the config, and the stop-string matcher it runs
-# after a mid-stream failover (the decode node's own, so both cut a stop string at the same place).
-GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.stops")
+# Pure-Python kv_bridge modules the gateway shares with the nodes: the config, the node protocol, and the stop-string
+# matcher it runs after a mid-stream failover (the decode node's own, so both cut a stop string at the same place).
+GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops")
+
+GATEWAY_MODULES = sorted(f"gateway.{p.stem}" for p in (ROOT / "gateway").glob("*.py") if p.stem != "__init__")
+
 
 def test_import_leaves_heavy_modules_out():
+    """Every gateway module, each imported on its own: none pulls torch, vLLM, MLX or a backend in."""
     code = (
-        "import sys, json, gateway, gateway.app, gateway.__main__\n"
+        "import sys, json, importlib\n"
+        "importlib.import_module(sys.argv[1])\n"
         f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == []
+    for module in ["gateway", *GATEWAY_MODULES]:
+        out = subprocess.run([sys.executable, "-c", code, module], cwd=ROOT, capture_output=True, text=True,
+                             check=True)
+        assert json.loads(out.stdout) == [], module
+
+
+def _gateway_imports(path: Path) -> set[str]:
+    """The gateway modules `path` imports, at any depth of its tree (TYPE_CHECKING blocks and function bodies too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                out.add(node.module.split(".")[0])
+            else:  # from . import a, b
+                out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gateway."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("gateway."))
+    return out
+
+
+def test_gateway_modules_have_no_import_cycle():
+    graph = {p.stem: _gateway_imports(p) for p in (ROOT / "gateway").glob("*.py")}
+    state: dict[str, str] = {}  # "open" while on the DFS stack, "done" after
+
+    def visit(mod: str, stack: list[str]) -> None:
+        if state.get(mod) == "done" or mod not in graph:
+            return
+        assert state.get(mod) != "open", f"import cycle: {' -> '.join([*stack[stack.index(mod):], mod])}"
+        state[mod] = "open"
+        for dep in sorted(graph[mod]):
+            visit(dep, [*stack, mod])
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        visit(mod, [])
 
 def test_gateway_imports_only_kv_bridge_config():
     for path in (ROOT / "gateway").glob("*.py"):

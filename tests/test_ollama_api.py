@@ -8,7 +8,7 @@ import re
 from datetime import datetime
 
 from fakes import MODEL_DIR, MODEL_ID, REPLY, Cluster
-from gateway.generation import Sampling
+from kv_bridge.protocol import Sampling
 from gateway.tokenizer import ChatTokenizer
 
 TOK = ChatTokenizer.from_folder(MODEL_DIR)

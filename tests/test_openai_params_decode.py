@@ -8,7 +8,8 @@ import math
 import pytest
 
 from backends.common import NodeError
-from backends.sampling import PENALTY_CONTEXT, GenParams, make_sampling, token_logprobs
+from backends.sampling import PENALTY_CONTEXT, make_sampling, parse_sampling, token_logprobs
+from kv_bridge.protocol import Sampling
 
 mx = pytest.importorskip("mlx.core")
 VOCAB = 64
@@ -18,7 +19,7 @@ def test_parse_every_field():
     body = {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 42, "stop": ["\n"], "top_k": 40,
             "min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
             "logit_bias": {"7": -100, "9": 2.5}, "logprobs": 3}
-    p = GenParams.parse(body)
+    p = parse_sampling(body)
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.top_k, p.min_p) == (5, 0.7, 0.9, 42, ["\n"], 40,
                                                                                           0.05)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
@@ -28,12 +29,12 @@ def test_parse_every_field():
 def test_parse_defaults_and_nulls():
     keys = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs")
     for body in ({}, dict.fromkeys(keys)):
-        assert GenParams.parse(body) == GenParams()
+        assert parse_sampling(body) == Sampling()
 
 
 def test_seed_wraps_to_unsigned_64_bits():
-    assert GenParams.parse({"seed": -1}).seed == 2**64 - 1
-    assert GenParams.parse({"seed": 2**64 + 3}).seed == 3
+    assert parse_sampling({"seed": -1}).seed == 2**64 - 1
+    assert parse_sampling({"seed": 2**64 + 3}).seed == 3
 
 
 @pytest.mark.parametrize("patch", [
@@ -44,14 +45,14 @@ def test_seed_wraps_to_unsigned_64_bits():
 ])
 def test_parse_rejects(patch):
     with pytest.raises(NodeError) as e:
-        GenParams.parse(patch)
+        parse_sampling(patch)
     assert e.value.status == 400
 
 
 def test_logit_bias_outside_vocab():
-    GenParams.parse({"logit_bias": {str(VOCAB - 1): 1}}).check_vocab(VOCAB)
+    parse_sampling({"logit_bias": {str(VOCAB - 1): 1}}, VOCAB)
     with pytest.raises(NodeError):
-        GenParams.parse({"logit_bias": {str(VOCAB): 1}}).check_vocab(VOCAB)
+        parse_sampling({"logit_bias": {str(VOCAB): 1}}, VOCAB)
 
 
 def logits_with_max(at: int) -> "mx.array":
@@ -72,7 +73,7 @@ def apply(processors, tokens: list[int], logits):
 
 
 def test_logit_bias_moves_greedy_choice():
-    gen = GenParams(logit_bias={3: -100.0})
+    gen = Sampling(logit_bias={3: -100.0})
     sampler, procs = make_sampling(gen, [], VOCAB)
     logits = logits_with_max(3)
     assert sampler(logits).item() == 3
@@ -81,14 +82,14 @@ def test_logit_bias_moves_greedy_choice():
 
 def test_top_k_one_is_greedy_and_top_k_of_vocab_is_allowed():
     logits = logits_with_max(11)
-    sampler, _ = make_sampling(GenParams(temperature=1.0, top_k=1), [], VOCAB)
+    sampler, _ = make_sampling(Sampling(temperature=1.0, top_k=1), [], VOCAB)
     assert {sampler(logits).item() for _ in range(20)} == {11}
-    sampler, _ = make_sampling(GenParams(temperature=1.0, top_k=VOCAB), [], VOCAB)  # clamped to off
+    sampler, _ = make_sampling(Sampling(temperature=1.0, top_k=VOCAB), [], VOCAB)  # clamped to off
     assert 0 <= sampler(logits).item() < VOCAB
 
 
 def test_seeded_sampling_repeats():
-    sampler, _ = make_sampling(GenParams(temperature=1.0), [], VOCAB)
+    sampler, _ = make_sampling(Sampling(temperature=1.0), [], VOCAB)
     logits = mx.zeros((1, VOCAB))
 
     def draw(seed: int) -> list[int]:
@@ -100,7 +101,7 @@ def test_seeded_sampling_repeats():
 
 def test_penalties_see_prefilled_history():
     """Prompt tokens whose KV came from prefill are invisible to stream_generate; the history wrapper shows them."""
-    gen = GenParams(presence_penalty=1.0)
+    gen = Sampling(presence_penalty=1.0)
     _, procs = make_sampling(gen, [], VOCAB)
     assert apply(procs, [5], zeros())[0, 2].item() == 0.0
     _, procs = make_sampling(gen, [2], VOCAB)
@@ -112,11 +113,11 @@ def test_penalties_see_prefilled_history():
 
 
 def test_repetition_and_frequency_penalties():
-    _, procs = make_sampling(GenParams(repetition_penalty=2.0), [], VOCAB)
+    _, procs = make_sampling(Sampling(repetition_penalty=2.0), [], VOCAB)
     assert apply(procs, [4], zeros() + 2.0)[0, 4].item() == 1.0
-    _, procs = make_sampling(GenParams(frequency_penalty=0.5), [], VOCAB)
+    _, procs = make_sampling(Sampling(frequency_penalty=0.5), [], VOCAB)
     assert apply(procs, [4, 4], zeros() + 2.0)[0, 4].item() == 1.0
-    assert make_sampling(GenParams(), [1, 2], VOCAB)[1] == []  # nothing to apply: no processors at all
+    assert make_sampling(Sampling(), [1, 2], VOCAB)[1] == []  # nothing to apply: no processors at all
 
 
 def test_token_logprobs():
@@ -142,7 +143,7 @@ def test_seeded_sampler_has_its_own_key():
     logits = mx.zeros((1, VOCAB))
 
     def draw(seed: int, neighbours: bool) -> list[int]:
-        sampler, _ = make_sampling(GenParams(temperature=1.0, top_p=0.9, seed=seed), [], VOCAB)
+        sampler, _ = make_sampling(Sampling(temperature=1.0, top_p=0.9, seed=seed), [], VOCAB)
         out = []
         for _ in range(10):
             if neighbours:
