@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import sys
 import tempfile
@@ -78,7 +79,7 @@ def pct(xs: list[float], q: float) -> float:
     xs = sorted(x for x in xs if x is not None)
     if not xs:
         return float("nan")
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
 
 
 async def burst(client, stack, fn, prompts: Prompts, first_tag: int, n: int, max_tokens: int) -> dict:
