@@ -39,6 +39,15 @@ PATH_LINE = re.compile(r'^disagg_requests_total\{[^}]*path="([a-z]+)"[^}]*\} ([0
 
 
 async def split(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
+    """One streamed request through the gateway; a failed one is counted (its `error`), not fatal to the burst."""
+    t0 = time.perf_counter()
+    try:
+        return await _split(client, stack, prompts, tag, max_tokens)
+    except (RuntimeError, httpx.HTTPError) as e:
+        return {"ttft": None, "latency": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"[:200]}
+
+
+async def _split(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
     body = {"model": MODEL_ID, "messages": prompts.messages(tag), "max_tokens": max_tokens, "temperature": 0,
             "stream": True}
     t0, ttft = time.perf_counter(), None
@@ -86,7 +95,11 @@ async def burst(client, stack, fn, prompts: Prompts, first_tag: int, n: int, max
     t0 = time.perf_counter()
     rows = await asyncio.gather(*(fn(client, stack, prompts, first_tag + i, max_tokens) for i in range(n)))
     ttfts = [r["ttft"] for r in rows]
-    return {"wall": time.perf_counter() - t0, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99)}
+    errors = [r["error"] for r in rows if "error" in r]
+    for e in sorted(set(errors)):
+        print(f"  {errors.count(e)} failed: {e}", flush=True)
+    return {"wall": time.perf_counter() - t0, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
+            "failed": len(errors)}
 
 
 async def measure(stack: Stack, prompts: Prompts, warm: Prompts, args) -> dict[int, dict]:
@@ -100,6 +113,8 @@ async def measure(stack: Stack, prompts: Prompts, warm: Prompts, args) -> dict[i
             row["split"] = await burst(client, stack, split, prompts, tag, n, args.max_tokens)
             after = await paths(client, stack)
             row["paths"] = {p: int(after.get(p, 0) - before.get(p, 0)) for p in after if after[p] != before.get(p, 0)}
+            if row["split"]["failed"]:
+                row["paths"]["failed"] = row["split"]["failed"]
             row["vllm-prefill"] = await burst(client, stack, vllm, prompts, tag + n, n, 1)
             row["vllm-alone"] = await burst(client, stack, vllm, prompts, tag + 2 * n, n, args.max_tokens)
             tag += 3 * n
