@@ -77,7 +77,7 @@ def auth_middleware(token: str):
 async def json_body(request: web.Request) -> dict:
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise bad_request("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")

@@ -1,5 +1,5 @@
 """`disagg up`: start this machine's roles from the config as child processes, wait until every one answers
-GET /health, print the URL; Ctrl-C or SIGTERM stops everything it started (whole process groups)."""
+GET /health, print the URL, restart a role that dies later (with backoff); Ctrl-C or SIGTERM stops everything."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,9 @@ READY_TIMEOUT_S = 900.0  # vLLM's first start on a 2-core CPU box compiles and p
 STOP_GRACE_S = 15.0
 POLL_S = 0.5
 NOTE_EVERY_S = 30.0
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # wait before restart n; a role healthy for STABLE_S starts again at 1 s
+STABLE_S = 60.0
+MAX_FAILED_RESTARTS = 5  # restarts in a row that die before answering /health: the role is broken, stop all
 STATE_DIR = ".disagg"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,6 +41,9 @@ class Child:
     proc: subprocess.Popen | None = None
     ready: bool = False
     headers: dict[str, str] = field(default_factory=dict)  # credentials its /health wants (docs/security.md)
+    restarts: int = 0  # restarts that have not yet been healthy for STABLE_S
+    restart_at: float | None = None  # monotonic time of the pending restart (the role is dead meanwhile)
+    started_at: float = 0.0
 
     @property
     def health_url(self) -> str:
@@ -91,7 +98,7 @@ def up(settings: Settings, config_path: str | os.PathLike, *, ready_timeout_s: f
         rc = _wait_ready(started, stopper, ready_timeout_s)
         if rc is None:
             _print_ready(settings, started)
-            rc = _supervise(started, stopper)
+            rc = _supervise(started, stopper, lambda c: _start(c, config_path, log_dir))
         return rc
     finally:
         stop_all(started, stopper)
@@ -196,14 +203,61 @@ def _wait_ready(children: list[Child], stopper: Stopper, timeout_s: float) -> in
     return None
 
 
-def _supervise(children: list[Child], stopper: Stopper) -> int:
+def _supervise(children: list[Child], stopper: Stopper, start: Callable[[Child], None]) -> int:
+    """Restart each role that dies, after a backoff, while the others keep serving; 0 once stopped, 1 when a role
+    keeps dying before it ever answers /health again."""
     while not stopper.requested:
+        now = time.monotonic()
         for c in children:
-            if c.proc.poll() is not None:
-                _report_exit(c)
-                return 1
-        stopper.wait(1.0)
+            if c.restart_at is None and c.proc.poll() is not None:
+                if not _on_death(c, now):
+                    return 1
+            elif c.restart_at is not None and now >= c.restart_at:
+                _restart(c, start)
+            elif c.restart_at is None and not c.ready:
+                _check_back(c, now)
+            elif c.ready and c.restarts and now - c.started_at > STABLE_S:
+                c.restarts = 0  # stable again: the next death starts the backoff from the bottom
+        stopper.wait(POLL_S)
     return 0
+
+
+def _on_death(c: Child, now: float) -> bool:
+    """Log the exit and schedule the restart; False when the role has failed too often in a row to go on."""
+    _report_exit(c)
+    _signal_group(c, signal.SIGKILL)  # orphans of the dead role (vLLM's EngineCore) would hold its memory and ports
+    if not c.ready and c.restarts >= MAX_FAILED_RESTARTS:
+        print(f"disagg up: {c.name} died {c.restarts} times in a row before answering /health; giving up "
+              f"(log {c.log})", file=sys.stderr, flush=True)
+        return False
+    delay = BACKOFF_S[min(c.restarts, len(BACKOFF_S) - 1)]
+    c.ready, c.restart_at = False, now + delay
+    print(f"disagg up: restarting {c.name} in {delay:.0f}s (restart {c.restarts + 1}); the others keep serving",
+          file=sys.stderr, flush=True)
+    return True
+
+
+def _restart(c: Child, start: Callable[[Child], None]) -> None:
+    c.restarts += 1
+    c.restart_at = None
+    _rotate(c.log)
+    start(c)
+    c.started_at = time.monotonic()
+    print(f"disagg up: restarted {c.name} (pid {c.proc.pid}), log {c.log}", flush=True)
+
+
+def _check_back(c: Child, now: float) -> None:
+    if _healthy(c.health_url, c.headers):
+        c.ready = True
+        print(f"disagg up: {c.name} is back after {now - c.started_at:.0f}s", flush=True)
+
+
+def _rotate(log: Path) -> None:
+    """Keep the dead run's log as <name>.log.1 for the post-mortem; the new run writes <name>.log."""
+    try:
+        log.replace(log.with_name(log.name + ".1"))
+    except OSError:
+        pass
 
 
 def stop_all(children: list[Child], stopper: Stopper | None = None) -> None:

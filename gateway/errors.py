@@ -62,6 +62,10 @@ class NoHealthyNode(APIError):
     type = "server_error"
     code = "no_healthy_node"
 
+    def __init__(self, message: str, retry_after_s: int = 2) -> None:
+        # A node that is down is usually being restarted (`disagg up` supervises); 2 s is a health poll.
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+
 
 class RateLimited(APIError):
     """The model (or every node that could serve it) is at its in-flight limit; `Retry-After` says when to retry."""

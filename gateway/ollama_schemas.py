@@ -150,6 +150,8 @@ async def read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"invalid JSON in request body: {e}") from None
+    except RecursionError:  # deeper nesting than the parser's stack: no valid request is that deep
+        raise InvalidRequest("invalid JSON in request body: nested too deeply") from None
 
 
 def _validate(cls: type[_Body], body: Any) -> _Body:

@@ -193,6 +193,8 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # deeper nesting than the parser's stack: no valid request is that deep
+        raise InvalidRequest("request body is not valid JSON: nested too deeply") from None
 
 
 def _parse(model: type[GenerationRequest], body: Any) -> Any:

@@ -20,6 +20,19 @@ async def test_malformed_json(cluster):
     status, _, body = await cluster.chat(raw=b'{"model": "smollm2:135m", "messages": [')
     assert_error(status, body, 400)
 
+UNPARSEABLE = [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 50_000 + b"1" + b"}" * 50_000,
+               b'{"model": "smollm2:135m", "messages": "\xff\xfe"}', b"\xff\xfe\x00{", b'{"a": 1e999999999999}x']
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("raw", UNPARSEABLE, ids=["deep-list", "deep-object", "bad-utf8-string", "bad-utf8", "trail"])
+async def test_unparseable_body_is_400(cluster, path, raw):
+    status, _, body = await cluster.post(path, raw=raw)
+    assert_error(status, body, 400)
+    status, _, _ = await cluster.chat(chat_body("hi"))  # the gateway still serves afterwards
+    assert status == 200
+
+
 async def test_body_not_an_object(cluster):
     status, _, body = await cluster.chat(raw=b"[1, 2]")
     assert_error(status, body, 400)
@@ -84,8 +97,9 @@ async def test_context_length_exceeded(empty_config):
 async def test_no_healthy_decode_node(cluster):
     cluster.decode.down = True
     await cluster.wait_for(lambda: _health(cluster, 503))
-    status, _, body = await cluster.chat(chat_body("hi"))
+    status, headers, body = await cluster.chat(chat_body("hi"))
     assert_error(status, body, 503, code="no_healthy_node")
+    assert int(headers["Retry-After"]) >= 1  # a client (or `disagg up` restarting the node) knows when to retry
 
 async def test_decode_node_gone_is_503(empty_config):
     c = await Cluster(interval=60.0).start()

@@ -35,7 +35,9 @@ def chat(**kw) -> dict:
 
 @pytest.mark.parametrize("path", ["/api/generate", "/api/chat", "/api/show"])
 async def test_bad_json(cluster, path):
-    for raw, needle in ((b'{"model": ', "invalid JSON"), (b"", "missing request body"), (b"[1]", "JSON object")):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for raw, needle in ((b'{"model": ', "invalid JSON"), (b"", "missing request body"), (b"[1]", "JSON object"),
+                        (deep, "invalid JSON"), (b'{"model": "\xff"}', "invalid JSON")):
         status, _, body = await send(cluster, "POST", path, raw=raw)
         assert_error(status, body, 400, needle)
 

@@ -4,6 +4,7 @@ completion, and Ctrl-C stops every process it started and frees every port."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import tomllib
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -238,6 +240,89 @@ def test_a_role_that_dies_stops_everything(tmp_path):
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 1, out
         assert "exited with code" in out and "last lines of" in out
+        assert not _survivors(tree), f"left behind: {_survivors(tree)}"
+        assert all(_port_free(p) for p in _ports(data))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_tree(tree)
+
+
+def _chat(url: str, content: str) -> tuple[int, dict, str]:
+    """(status, headers, body) of a short chat completion; status 0 when the gateway cannot be reached."""
+    body = {"model": "smollm2:135m", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": content}]}
+    req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return 0, {}, ""
+
+
+def _role_pid(up_pid: int, role: str) -> int:
+    for p in psutil.Process(up_pid).children():
+        if p.cmdline()[3:4] == [role]:  # python -m backends.cli <role> ...
+            return p.pid
+    raise AssertionError(f"no {role} child of disagg up")
+
+
+def _until(fn, timeout_s: float, what: str, seen: list[str]):
+    """Poll fn() until it returns something truthy; the polling spans a role's restart (vLLM takes about a minute
+    here), so the bound is a generous guard against a hang, not a timing claim."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if out := fn():
+            return out
+        time.sleep(1.0)
+    raise AssertionError(f"{what} within {timeout_s:.0f}s:\n" + "".join(seen))
+
+
+@pytest.mark.e2e
+def test_up_restarts_each_killed_role_and_keeps_serving(tmp_path):
+    """kill -9 of prefill, decode, gateway in turn: answers go on (local while prefill is down, 503 with Retry-After
+    while no decode node is), each role comes back and is used again; Ctrl-C still stops all with exit 0."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("mlx_lm")
+    config, data = _write_config(tmp_path)
+    proc = _up(config)
+    lines, seen = _pump(proc), []
+    tree = []
+    try:
+        url = _wait_for_url(lines, 600, seen)
+        assert url, "no ready line from disagg up:\n" + "".join(seen) + "\n" + _logs(config)
+        assert _chat(url, "What is the capital of France?")[0] == 200
+
+        t0 = time.monotonic()
+        os.kill(_role_pid(proc.pid, "prefill"), signal.SIGKILL)
+        status, headers, body = _chat(url, "Name a color.")  # vLLM takes far longer than this to come back
+        assert status == 200 and headers["x-disagg-path"] in ("local", "fallback"), body
+        _until(lambda: _chat(url, "Name a fruit.")[1].get("x-disagg-path") == "disaggregated", 600,
+               "prefill not back and used", seen)
+        print(f"prefill: killed -> back and used in {time.monotonic() - t0:.1f}s")
+
+        t0 = time.monotonic()
+        os.kill(_role_pid(proc.pid, "decode"), signal.SIGKILL)
+        status, headers, body = _until(lambda: (r := _chat(url, "Name a city.")) and r[0] != 200 and r, 120,
+                                       "no refusal while decode is down", seen)
+        assert status == 503 and int(headers["retry-after"]) >= 1, body
+        _until(lambda: _chat(url, "Name a river.")[0] == 200, 600, "decode not back", seen)
+        print(f"decode: killed -> back and used in {time.monotonic() - t0:.1f}s")
+
+        t0 = time.monotonic()
+        os.kill(_role_pid(proc.pid, "gateway"), signal.SIGKILL)
+        _until(lambda: _chat(url, "Name a tree.")[0] == 200, 600, "gateway not back", seen)
+        print(f"gateway: killed -> back and used in {time.monotonic() - t0:.1f}s")
+        while not lines.empty():
+            seen.append(lines.get_nowait() or "")
+        assert sum("restarted" in line for line in seen) == 3, "".join(seen)
+
+        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, "".join(seen)
         assert not _survivors(tree), f"left behind: {_survivors(tree)}"
         assert all(_port_free(p) for p in _ports(data))
     finally:

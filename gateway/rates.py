@@ -1,0 +1,130 @@
+"""Rates learned from the running system (per prefill node, per prefill->decode link, per decode node's local
+prefill), configured values as priors, and the cost model that predicts each path's time to first token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_bridge.config import RatesConfig
+
+DISAGGREGATED = "disaggregated"
+LOCAL = "local"
+
+
+class Rate:
+    """A smoothed rate (units/s): exponentially decayed sums of units and seconds, their ratio the estimate.
+
+    Weighing by seconds, not by sample, keeps tiny overhead-bound samples (a 3-token prefill) from swinging it;
+    the prior enters as `prior_weight_s` seconds of work observed at the prior rate and decays like any sample.
+    """
+
+    def __init__(self, prior: float, smoothing: float, prior_weight_s: float) -> None:
+        if prior <= 0:
+            raise ValueError(f"a rate prior must be positive, got {prior}")
+        self.prior = prior
+        self.keep = 1.0 - smoothing
+        self.units = prior * prior_weight_s
+        self.seconds = prior_weight_s
+        self.samples = 0
+
+    def observe(self, units: float, seconds: float) -> None:
+        if units <= 0 or seconds <= 0:  # nothing moved, or a clock that did not advance: no information
+            return
+        self.units = self.keep * self.units + units
+        self.seconds = self.keep * self.seconds + seconds
+        self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return self.units / self.seconds if self.seconds > 0 else self.prior
+
+    def snapshot(self) -> dict:
+        return {"value": round(self.value, 3), "prior": self.prior, "samples": self.samples}
+
+
+@dataclass(frozen=True)
+class PathCosts:
+    """Predicted seconds to first token of each path; `disaggregated` is None where no prefill node can take it."""
+
+    disaggregated: float | None
+    local: float
+
+    @property
+    def best(self) -> str:
+        if self.disaggregated is not None and self.disaggregated <= self.local:
+            return DISAGGREGATED
+        return LOCAL
+
+
+class Rates:
+    """Every rate the router needs, keyed by node name (links by (prefill, decode)); created on first use."""
+
+    def __init__(self, cfg: RatesConfig | None = None) -> None:
+        self.cfg = cfg or RatesConfig()
+        self.prefill: dict[str, Rate] = {}
+        self.local: dict[str, Rate] = {}
+        self.link: dict[tuple[str, str], Rate] = {}
+
+    def _rate(self, table: dict, key, default_prior: float, node: str | None = None) -> Rate:
+        rate = table.get(key)
+        if rate is None:
+            prior = self.cfg.node_priors.get(node, default_prior) if node else default_prior
+            rate = table[key] = Rate(prior, self.cfg.smoothing, self.cfg.prior_weight_s)
+        return rate
+
+    def prefill_rate(self, node: str) -> Rate:
+        return self._rate(self.prefill, node, self.cfg.prefill_tokens_per_s, node)
+
+    def local_rate(self, node: str) -> Rate:
+        return self._rate(self.local, node, self.cfg.local_prefill_tokens_per_s, node)
+
+    def link_rate(self, prefill: str, decode: str) -> Rate:
+        return self._rate(self.link, (prefill, decode), self.cfg.link_bytes_per_s)
+
+    def observe_prefill(self, node: str, tokens: int, seconds: float) -> None:
+        """A prefill node computed `tokens` prompt tokens in `seconds` of its own work (taken -> last frame)."""
+        self.prefill_rate(node).observe(tokens, seconds)
+
+    def observe_local(self, node: str, tokens: int, seconds: float) -> None:
+        """A decode node prefilled `tokens` itself in `seconds`."""
+        self.local_rate(node).observe(tokens, seconds)
+
+    def observe_link(self, prefill: str, decode: str, nbytes: int, seconds: float) -> None:
+        """`nbytes` of KV went from `prefill` to `decode` in `seconds` (header -> last frame)."""
+        self.link_rate(prefill, decode).observe(nbytes, seconds)
+
+    def snapshot(self) -> dict:
+        """For /health and metrics: every learned rate with its prior and sample count."""
+        return {
+            "prefill_tokens_per_s": {k: r.snapshot() for k, r in self.prefill.items()},
+            "local_prefill_tokens_per_s": {k: r.snapshot() for k, r in self.local.items()},
+            "link_bytes_per_s": {f"{p}->{d}": r.snapshot() for (p, d), r in self.link.items()},
+        }
+
+    def disaggregated_ttft(self, prefill: str, decode: str, prompt_tokens: int, tokens_ahead: int,
+                           kv_bytes_per_token: int) -> float:
+        """Waiting for the prefill node: its queue and this prompt over its rate, plus the transfer at the link rate.
+
+        The transfer is added whole although it overlaps the prefill layer by layer: an upper bound, so a busy
+        link counts against the path rather than being hidden by the overlap.
+        """
+        compute = (tokens_ahead + prompt_tokens) / self.prefill_rate(prefill).value
+        transfer = prompt_tokens * kv_bytes_per_token / self.link_rate(prefill, decode).value
+        return compute + transfer
+
+    def local_ttft(self, decode: str, prompt_tokens: int, batch_tokens: int = 0) -> float:
+        """Prefilling on the decode node: this prompt plus the prompt tokens already in its batch, at its rate."""
+        return (batch_tokens + prompt_tokens) / self.local_rate(decode).value
+
+    def costs(self, prefill: str | None, decode: str, prompt_tokens: int, *, tokens_ahead: int = 0,
+              batch_tokens: int = 0, kv_bytes_per_token: int = 0) -> PathCosts:
+        disagg = None if prefill is None else self.disaggregated_ttft(
+            prefill, decode, prompt_tokens, tokens_ahead, kv_bytes_per_token)
+        return PathCosts(disagg, self.local_ttft(decode, prompt_tokens, batch_tokens))
+
+
+def choose_path(costs: PathCosts, kv_tokens: int, min_disagg_tokens: int) -> str:
+    """`min_disagg_tokens` stays a floor (below it local prefill, whatever the rates); above it the cheaper path."""
+    if kv_tokens < min_disagg_tokens:
+        return LOCAL
+    return costs.best
