@@ -18,6 +18,8 @@ class Qwen3XMLToolParser(ToolParser):
     def parse_call(self, body: str) -> list[ToolCall] | None:
         calls = []
         for name, inner in _FUNCTION.findall(body):
+            if _PARAMETER.sub("", inner).strip():  # an unclosed or stray parameter: not a call we can trust
+                return None
             props = self.tools.get(name, {}).get("parameters", {}).get("properties", {})
             args = {p: _typed(_strip_newline(v), props.get(p, {})) for p, v in _PARAMETER.findall(inner)}
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
