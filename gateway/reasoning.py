@@ -148,6 +148,25 @@ def parse_header(header: str) -> tuple[str, str, str]:
     return channel, recipient, ctype
 
 
+EFFORTS = ("low", "medium", "high")
+
+
+def template_kwargs(parser: str, reasoning_effort: str | None = None, think: bool | str | None = None) -> dict:
+    """Chat-template kwargs for a request's reasoning settings (OpenAI `reasoning_effort`, Ollama `think`: true,
+    false or an effort). harmony takes `reasoning_effort` and cannot switch reasoning off (false -> "low");
+    `<think>` templates take `enable_thinking`. Raises ValueError on an effort that is not low, medium or high."""
+    effort = think if isinstance(think, str) else reasoning_effort
+    if effort is not None and effort not in EFFORTS:
+        raise ValueError(f"reasoning effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
+    if parser == "harmony":
+        if effort is None and think is False:
+            effort = "low"
+        return {} if effort is None else {"reasoning_effort": effort}
+    if parser == "think":
+        return {} if think is None and effort is None else {"enable_thinking": think is not False}
+    return {}
+
+
 REASONING_PARSERS = {"harmony": HarmonyParser, "think": ThinkParser}
 
 

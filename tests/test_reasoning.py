@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from family_streams import char_chunks, family_tokenizers, run, token_stream
-from gateway.reasoning import HarmonyParser, ThinkParser, reasoning_parser
+from gateway.reasoning import HarmonyParser, ThinkParser, reasoning_parser, template_kwargs
 
 ANALYSIS_FINAL = ("<|channel|>analysis<|message|>The user wants the capital. It is Paris.<|end|>"
                   "<|start|>assistant<|channel|>final<|message|>The capital of France is **Paris**.<|return|>")
@@ -96,3 +96,15 @@ def test_registry():
     assert reasoning_parser("think", start_in_reasoning=True).thinking
     with pytest.raises(ValueError, match="known: harmony, think"):
         reasoning_parser("deepseek")
+
+
+def test_template_kwargs_from_think_and_reasoning_effort():
+    assert template_kwargs("harmony", reasoning_effort="high") == {"reasoning_effort": "high"}
+    assert template_kwargs("harmony", think="low") == {"reasoning_effort": "low"}
+    assert template_kwargs("harmony", think=True) == {}  # the template's default effort (medium)
+    assert template_kwargs("harmony", think=False) == {"reasoning_effort": "low"}
+    assert template_kwargs("think", think=False) == {"enable_thinking": False}
+    assert template_kwargs("think", think="high") == {"enable_thinking": True}
+    assert template_kwargs("think") == {} and template_kwargs("", think=True) == {}
+    with pytest.raises(ValueError, match="low, medium, high"):
+        template_kwargs("harmony", reasoning_effort="max")
