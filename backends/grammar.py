@@ -112,8 +112,13 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
-    def processor(self, spec: GrammarSpec) -> "GrammarProcessor":
-        return GrammarProcessor(self, self.compile(spec))
+    def processor(self, spec: GrammarSpec, generated: list[int] = ()) -> "GrammarProcessor":
+        """A fresh per-request processor. `generated`: tokens this request already produced elsewhere (a resumed
+        generation after mid-stream failover), consumed first so the grammar continues where it stopped."""
+        proc = GrammarProcessor(self, self.compile(spec))
+        if generated and not proc.matcher.consume_tokens(list(generated)):
+            raise GrammarError(f"the tokens generated so far do not fit the grammar: {proc.matcher.get_error()}")
+        return proc
 
 
 class GrammarProcessor:

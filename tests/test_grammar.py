@@ -124,3 +124,18 @@ def test_spec_parsing():
             GrammarSpec.from_response_format(bad)
     with pytest.raises(GrammarError):
         GrammarSpec.from_ollama_format("yaml")
+
+
+def test_resumed_generation_continues_the_grammar(hf_tokenizer):
+    """After failover the new node gets the tokens generated so far: the mask continues from them."""
+    import mlx.core as mx
+
+    compiler = GrammarCompiler(hf_tokenizer, 49152, [2])
+    generated = hf_tokenizer.encode('{"a": 1', add_special_tokens=False)
+    proc = compiler.processor(GrammarSpec(), generated=generated)
+    allowed = proc(mx.array([5, 6, *generated]), mx.zeros((1, 49152))) == 0
+    ids = {s: hf_tokenizer.convert_tokens_to_ids(s) for s in ("}", '"', "{", ",")}
+    assert allowed[0, ids["}"]].item() and allowed[0, ids[","]].item()
+    assert not allowed[0, ids['"']].item() and not allowed[0, ids["{"]].item()
+    with pytest.raises(GrammarError, match="do not fit"):
+        compiler.processor(GrammarSpec(), generated=hf_tokenizer.encode("hello", add_special_tokens=False))
