@@ -100,8 +100,8 @@ def test_constrained_and_free_requests_share_one_batch(mlx_model):
             assert a == b
 
 
-def test_uncompilable_schema_is_a_grammar_error_naming_the_problem(mlx_model):
-    _, _, compiler = mlx_model
+def test_uncompilable_schema_is_a_grammar_error_naming_the_problem(hf_tokenizer):
+    compiler = GrammarCompiler(hf_tokenizer, 49152, [2])
     with pytest.raises(GrammarError, match="schema"):
         compiler.compile(GrammarSpec(schema={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
                                      strict=True))
