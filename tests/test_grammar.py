@@ -108,6 +108,10 @@ def test_uncompilable_schema_is_a_grammar_error_naming_the_problem(hf_tokenizer)
     with pytest.raises(GrammarError) as e:
         compiler.compile(GrammarSpec(schema={"type": "integer", "minimum": 5, "maximum": 1}, strict=True))
     assert e.value.status == 400
+    odd = {"type": "string", "format": "weird-format"}  # strict refuses what it cannot enforce; lenient ignores it
+    with pytest.raises(GrammarError, match="Unknown format: weird-format"):
+        compiler.compile(GrammarSpec(schema=odd, strict=True))
+    assert compiler.compile(GrammarSpec(schema=odd, strict=False))
 
 
 def test_spec_parsing():
