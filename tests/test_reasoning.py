@@ -14,7 +14,8 @@ TOOL_CALL = ("<|channel|>analysis<|message|>Need weather; call the tool.<|end|>"
              "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
              "<|message|>{\"city\": \"Paris\", \"unit\": \"celsius\"}<|call|>")
 PREAMBLE = ("<|channel|>commentary<|message|>Checking the weather now.<|end|>"
-            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Oslo\"}<|call|>")
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json"
+            "<|message|>{\"city\": \"Oslo\"}<|call|>")
 
 
 @pytest.fixture(scope="module")

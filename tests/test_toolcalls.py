@@ -68,7 +68,8 @@ def test_text_before_a_call_streams_as_content(root, family, template, fmt):
 
 MALFORMED = {
     "hermes": ["<tool_call>{\"name\": \"f\", \"arguments\": {</tool_call>", "<tool_call>[1, 2]</tool_call>",
-               "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>",
+               "<tool_call>{\"arguments\": {}}</tool_call>",
+               "<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>",
                "<tool_call>{\"name\": \"f\""],
     "qwen3_coder": ["<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",
                     "<tool_call>no function here</tool_call>", "<tool_call>\n<function=f>\n<parameter=a>\n1"],

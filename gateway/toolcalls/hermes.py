@@ -1,4 +1,6 @@
-"""JSON in `<tool_call>` (Hermes, Qwen2.5, Qwen3 templates): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`."""
+"""JSON in `<tool_call>` (Hermes, Qwen2.5, Qwen3 templates):
+`<tool_call>{"name": N, "arguments": {...}}</tool_call>`.
+"""
 
 from __future__ import annotations
 
