@@ -110,15 +110,19 @@ def engines(args) -> None:
 
 
 def decode_rate(model, tok, prompts, processors, max_tokens) -> tuple[int, float]:
-    """(tokens generated, seconds) for one greedy BatchGenerator run."""
+    """(tokens generated, seconds) for one greedy BatchGenerator run, counted from the first token on: prefill
+    is the same work in both conditions and would hide the decode cost."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tok.eos_token_ids], completion_batch_size=len(prompts))
     gen.insert(prompts, max_tokens=[max_tokens] * len(prompts), logits_processors=processors)
-    n, left, t = 0, len(prompts), time.perf_counter()
+    n, left, t = 0, len(prompts), None
     while left:
         _, responses = gen.next()
-        n += len(responses)
+        if responses and t is None:
+            t = time.perf_counter()
+        elif t is not None:
+            n += len(responses)
         left -= sum(r.finish_reason is not None for r in responses)
     seconds = time.perf_counter() - t
     gen.close()
