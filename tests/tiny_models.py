@@ -222,3 +222,50 @@ def build(model_type: str, folder: Path, **kw) -> Path:
     if model_type not in BUILDERS:
         raise ValueError(f"no tiny builder for {model_type!r}; have {sorted(BUILDERS)}")
     return BUILDERS[model_type](Path(folder), **kw)
+
+
+# ---- family tokenizers: SmolLM2's vocabulary with the families' special tokens and chat templates ----
+# The unused added tokens from id 3 on (<repo_name>, <reponame>, ...) are renamed, so the vocabulary keeps its size
+# and the tiny checkpoints' embeddings still fit. `special` follows the real tokenizers: harmony's tokens are special,
+# Qwen3's <think>/<tool_call> are not (their text stays in decoded output either way: mlx-lm's detokenizer keeps it).
+TEMPLATES_DIR = ROOT / "tests" / "templates"
+FAMILY_TOKENS = {
+    "gpt_oss": (["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"],
+                True),
+    "qwen3_moe": (["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+                  False),
+}
+FAMILY_EOS = {"gpt_oss": ["<|return|>", "<|call|>"], "qwen3_moe": ["<|im_end|>"]}
+FAMILY_TEMPLATES = {"gpt_oss": "gpt_oss.jinja", "qwen3_moe": "qwen3_coder.jinja"}
+
+
+def write_family_tokenizer(folder: Path, family: str, template: str | None = None) -> Path:
+    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json's EOS ids for
+    `family` into `folder` (a tiny checkpoint or an empty folder). `template`: a file in tests/templates."""
+    if family not in FAMILY_TOKENS:
+        raise ValueError(f"no family tokenizer for {family!r}; have {sorted(FAMILY_TOKENS)}")
+    tokens, special = FAMILY_TOKENS[family]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for added, new in zip(tok["added_tokens"][3:], tokens):
+        del vocab[added["content"]]
+        vocab[new] = added["id"]
+        added.update(content=new, special=special)
+    (folder / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    eos = [ids[t] for t in FAMILY_EOS[family]]
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    config.update(eos_token=FAMILY_EOS[family][0])
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy(TEMPLATES_DIR / (template or FAMILY_TEMPLATES[family]), folder / "chat_template.jinja")
+    gen = folder / "generation_config.json"
+    gen_config = json.loads(gen.read_text()) if gen.exists() else {"bos_token_id": 1, "do_sample": False}
+    gen.write_text(json.dumps({**gen_config, "eos_token_id": eos, "pad_token_id": eos[0]}, indent=2))
+    return folder
+
+
+def build_family(model_type: str, folder: Path, **kw) -> Path:
+    """A tiny checkpoint of `model_type` that speaks its family's format (special tokens, chat template)."""
+    return write_family_tokenizer(build(model_type, folder, **kw), model_type)

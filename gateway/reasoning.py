@@ -1,0 +1,179 @@
+"""Streaming split of generated text into reasoning and final content: harmony channels (gpt-oss) and
+`<think>` blocks (Qwen3 family). Parsers read text, so every path (node tokens, failover, upstream) feeds them alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.markers import MarkerScanner
+
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+HARMONY_STOPS = ("<|return|>", "<|call|>")  # harmony's end-of-turn tokens: generation stops on either
+
+
+@dataclass
+class HarmonyMessage:
+    """A complete harmony message the model addressed to a recipient (a tool call: `to=functions.NAME`)."""
+
+    recipient: str
+    channel: str
+    content_type: str
+    body: str
+
+
+@dataclass
+class Delta:
+    """What one fed chunk adds: reasoning text, final content text, and finished tool-addressed messages."""
+
+    reasoning: str = ""
+    content: str = ""
+    messages: list[HarmonyMessage] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.messages)
+
+    def add(self, other: "Delta") -> "Delta":
+        return Delta(self.reasoning + other.reasoning, self.content + other.content, self.messages + other.messages)
+
+
+class ThinkParser:
+    """`<think>reasoning</think>content`. `start_in_reasoning`: the prompt already opened the block (templates that
+    end the generation prompt with `<think>`), so output starts as reasoning and only `</think>` follows."""
+
+    def __init__(self, start_in_reasoning: bool = False, open_tag: str = "<think>", close_tag: str = "</think>"):
+        self.open, self.close = open_tag, close_tag
+        self.scanner = MarkerScanner([open_tag, close_tag])
+        self.thinking = start_in_reasoning
+        self.seen_text = start_in_reasoning  # a <think> after real content is content, not a new block
+
+    def feed(self, text: str) -> Delta:
+        return self._apply(self.scanner.feed(text))
+
+    def finish(self) -> Delta:
+        return self._apply(self.scanner.flush())
+
+    def _apply(self, pieces) -> Delta:
+        d = Delta()
+        for kind, s in pieces:
+            if kind == "marker" and s == self.open and not self.thinking and not self.seen_text:
+                self.thinking = True
+            elif kind == "marker" and s == self.close and self.thinking:
+                self.thinking, self.seen_text = False, True
+            elif self.thinking:
+                d.reasoning += s
+            else:
+                if not self.seen_text and s.strip():
+                    self.seen_text = True
+                d.content += s
+        return d
+
+
+class HarmonyParser:
+    """gpt-oss harmony output: `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
+    <|message|>...<|return|>`. analysis -> reasoning, final -> content; a message with a recipient
+    (`commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`) comes back whole in `messages`;
+    commentary without one is preamble text shown as content. The prompt ends with `<|start|>assistant`, so output
+    opens inside a header."""
+
+    def __init__(self):
+        self.scanner = MarkerScanner(HARMONY_MARKERS)
+        self.state = "header"  # header | message | done-message (between <|end|> and the next <|start|>)
+        self.header = ""
+        self.body = ""
+        self.channel = self.recipient = self.content_type = ""
+
+    def feed(self, text: str) -> Delta:
+        return self._apply(self.scanner.feed(text))
+
+    def finish(self) -> Delta:
+        d = self._apply(self.scanner.flush())
+        if self.state == "message" and self.recipient:  # cut off (max tokens) inside a call: its text is content
+            d.content += self.body
+        elif self.state == "header" and self.header.strip() and not self.channel:
+            d.content += self.header  # no harmony at all: plain text is the answer
+        return d
+
+    def _apply(self, pieces) -> Delta:
+        d = Delta()
+        for kind, s in pieces:
+            if kind == "text":
+                self._text(s, d)
+            elif s == "<|message|>" and self.state == "header":
+                self._open_message()
+            elif s in ("<|end|>", "<|return|>", "<|call|>") and self.state == "message":
+                self._close_message(d)
+            elif s == "<|start|>":
+                self.state, self.header, self.channel = "header", "", ""
+            elif s in ("<|channel|>", "<|constrain|>") and self.state == "header":
+                self.header += " " + s + " "
+            elif self.state == "message":  # a stray marker inside a message body is kept as text
+                self._text(s, d)
+        return d
+
+    def _text(self, s: str, d: Delta) -> None:
+        if self.state == "header":
+            self.header += s
+        elif self.state == "message" and self.recipient:
+            self.body += s  # a tool call is released whole, at its end
+        elif self.state == "message" and self.channel == "analysis":
+            d.reasoning += s
+        elif self.state == "message":
+            d.content += s
+
+    def _open_message(self) -> None:
+        channel, recipient, ctype = parse_header(self.header)
+        self.channel, self.recipient, self.content_type = channel, recipient, ctype
+        self.state, self.body = "message", ""
+
+    def _close_message(self, d: Delta) -> None:
+        if self.recipient:
+            d.messages.append(HarmonyMessage(self.recipient, self.channel, self.content_type, self.body))
+        self.state, self.header, self.body, self.recipient = "done", "", "", ""
+
+
+def parse_header(header: str) -> tuple[str, str, str]:
+    """(channel, recipient, content type) from a harmony header such as
+    `assistant <|channel|> commentary to=functions.f <|constrain|> json` (`to=` may also precede the channel)."""
+    words = header.replace("<|channel|>", " <|channel|> ").replace("<|constrain|>", " <|constrain|> ").split()
+    channel = recipient = ctype = ""
+    for i, w in enumerate(words):
+        nxt = words[i + 1] if i + 1 < len(words) else ""
+        if w == "<|channel|>":
+            channel = nxt
+        elif w == "<|constrain|>":
+            ctype = nxt
+        elif w.startswith("to="):
+            recipient = w[3:]
+    return channel, recipient, ctype
+
+
+EFFORTS = ("low", "medium", "high")
+
+
+def template_kwargs(parser: str, reasoning_effort: str | None = None, think: bool | str | None = None) -> dict:
+    """Chat-template kwargs for a request's reasoning settings (OpenAI `reasoning_effort`, Ollama `think`: true,
+    false or an effort). harmony takes `reasoning_effort` and cannot switch reasoning off (false -> "low");
+    `<think>` templates take `enable_thinking`. Raises ValueError on an effort that is not low, medium or high."""
+    effort = think if isinstance(think, str) else reasoning_effort
+    if effort is not None and effort not in EFFORTS:
+        raise ValueError(f"reasoning effort must be one of {', '.join(EFFORTS)}, not {effort!r}")
+    if parser == "harmony":
+        if effort is None and think is False:
+            effort = "low"
+        return {} if effort is None else {"reasoning_effort": effort}
+    if parser == "think":
+        return {} if think is None and effort is None else {"enable_thinking": think is not False}
+    return {}
+
+
+REASONING_PARSERS = {"harmony": HarmonyParser, "think": ThinkParser}
+
+
+def reasoning_parser(name: str, **kwargs):
+    """A fresh parser of the registered format `name`; an unknown name is a ValueError listing the known ones."""
+    try:
+        cls = REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
+    return cls(**kwargs)

@@ -1,0 +1,90 @@
+"""Render tests of the families' chat templates (tests/templates, on the family tokenizers): harmony's system and
+developer messages, reasoning effort, tools, tool calls and results; qwen3-coder's XML tools and calls; Qwen3's
+<think> switch. Rendered with transformers' own apply_chat_template."""
+
+from __future__ import annotations
+
+import pytest
+
+from family_streams import family_tokenizers
+from tiny_models import TEMPLATES_DIR, build_family
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "City name"}, "unit": {"enum": ["c", "f"]}}}}}]
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "{\"temp\": 4}"}]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("family"))
+
+
+def render(root, family, template, messages, **kw) -> str:
+    hf, _ = family_tokenizers(family, root)
+    return hf.apply_chat_template(messages, chat_template=(TEMPLATES_DIR / template).read_text(), tokenize=False,
+                                  **kw)
+
+
+def test_harmony_system_developer_and_effort(root):
+    text = render(root, "gpt_oss", "gpt_oss.jinja", CHAT[:2], add_generation_prompt=True, reasoning_effort="high")
+    assert text.startswith("<|start|>system<|message|>You are ChatGPT")
+    assert "Reasoning: high\n\n# Valid channels: analysis, commentary, final." in text
+    assert "<|start|>developer<|message|># Instructions\n\nAnswer briefly.<|end|>" in text
+    assert text.endswith("<|start|>user<|message|>Weather in Oslo?<|end|><|start|>assistant")
+    assert "Reasoning: medium" in render(root, "gpt_oss", "gpt_oss.jinja", CHAT[1:2], add_generation_prompt=True)
+    assert "<|start|>developer" not in render(root, "gpt_oss", "gpt_oss.jinja", CHAT[1:2])
+
+
+def test_harmony_tools_calls_and_results(root):
+    text = render(root, "gpt_oss", "gpt_oss.jinja", CHAT, tools=TOOLS, add_generation_prompt=True)
+    assert "Calls to these tools must go to the commentary channel: 'functions'." in text
+    assert ("# Tools\n\n## functions\n\nnamespace functions {\n\n// Current weather\ntype get_weather = (_: {\n"
+            "// City name\ncity: string,\nunit?: \"c\" | \"f\",\n}) => any;\n\n} // namespace functions<|end|>") in text
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|>"
+            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+            "<|message|>{\"city\": \"Oslo\"}<|call|>"
+            "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{\"temp\": 4}<|end|>"
+            "<|start|>assistant") in text
+
+
+def test_harmony_earlier_final_turns_drop_their_analysis(root):
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "think"},
+            {"role": "user", "content": "c"}]
+    text = render(root, "gpt_oss", "gpt_oss.jinja", chat, add_generation_prompt=True)
+    assert "think" not in text and "<|start|>assistant<|channel|>final<|message|>b<|end|>" in text
+
+
+def test_qwen3_coder_tools_calls_and_responses(root):
+    text = render(root, "qwen3_moe", "qwen3_coder.jinja", CHAT, tools=TOOLS, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nAnswer briefly.\n\n# Tools\n\nYou have access to the following")
+    assert "<function>\n<name>get_weather</name>\n<description>Current weather</description>" in text
+    assert "<parameter>\n<name>city</name>\n<type>string</type>\n<description>City name</description>" in text
+    assert ("<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+            "</function>\n</tool_call><|im_end|>\n") in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n{\"temp\": 4}\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
+
+
+def test_qwen3_hermes_calls_and_thinking_switch(root):
+    text = render(root, "qwen3_moe", "qwen3.jinja", CHAT, tools=TOOLS, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>' in text
+    off = render(root, "qwen3_moe", "qwen3.jinja", CHAT[1:2], add_generation_prompt=True, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    on = render(root, "qwen3_moe", "qwen3.jinja", CHAT[1:2], add_generation_prompt=True, enable_thinking=True)
+    assert on.endswith("<|im_start|>assistant\n")
+
+
+def test_tiny_gpt_oss_speaks_harmony(tmp_path):
+    """The tiny gpt_oss checkpoint with its family tokenizer loads in mlx-lm and its template renders harmony."""
+    from mlx_lm import load
+
+    folder = build_family("gpt_oss", tmp_path / "gpt_oss")
+    model, tok = load(str(folder))
+    prompt = tok.apply_chat_template(CHAT[1:2], add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|start|>assistant")
+    assert tok.convert_tokens_to_ids("<|return|>") in tok.eos_token_ids
