@@ -54,7 +54,8 @@ def engine_args(settings: Settings, route: ModelRoute):
 def connector_config(settings: Settings) -> dict:
     """The connector's kv_connector_extra_config; it carries the KV key derived from the node secret, not the secret."""
     kv, key = settings.kv, settings.auth.kv_key()
-    extra = {"queue_frames": kv.queue_frames, "connect_timeout_s": kv.connect_timeout_s, "wire_dtype": kv.wire_dtype}
+    extra = {"sender_bytes": kv.sender_bytes, "connect_timeout_s": kv.connect_timeout_s,
+             "send_timeout_s": kv.send_timeout_s, "wire_dtype": kv.wire_dtype}
     if key is not None:
         extra.update(kv_auth_key=key.hex(), kv_frame_mac=settings.auth.kv_frame_mac)
     return extra

@@ -153,8 +153,12 @@ class KVConfig(BaseModel):
     pool_bytes: int = Field(
         default=2 << 30, ge=0, description="decode node: idle receive buffers kept for the next transfers (a fresh "
         "buffer is paid in page faults as the KV lands); 0 allocates every transfer anew")
-    queue_frames: int = Field(default=256, ge=1, description="sender queue bound (frames) before the forward waits")
+    sender_bytes: int = Field(
+        default=1 << 30, ge=1 << 20, description="prefill node: most KV (host copies, pinned on CUDA) queued for "
+        "sending across all destinations; the forward pass waits only beyond it")
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    send_timeout_s: float = Field(default=10.0, gt=0, description="prefill node: a decode node that takes no KV for "
+                                  "this long fails its own transfers (its frames are dropped, the gateway falls back)")
     wire_dtype: Literal["auto", "float8_e4m3"] = Field(
         default="auto", description="auto: the cache's own dtype; float8_e4m3: scaled fp8 on the wire (1/2 of bf16)")
 
