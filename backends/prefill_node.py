@@ -39,7 +39,7 @@ def engine_args(settings: Settings, route: ModelRoute):
         kv_cache_dtype=settings.prefill.kv_cache_dtype,
         max_model_len=route.max_model_len,
         gpu_memory_utilization=settings.prefill.gpu_memory_utilization,
-        enforce_eager=settings.prefill.enforce_eager,
+        enforce_eager=enforce_eager(settings),
         max_num_batched_tokens=settings.prefill.max_num_batched_tokens,
         enable_prefix_caching=settings.prefill.enable_prefix_caching,
         kv_transfer_config=KVTransferConfig(
@@ -49,6 +49,15 @@ def engine_args(settings: Settings, route: ModelRoute):
             kv_connector_extra_config=connector_config(settings),
         ),
     )
+
+
+def enforce_eager(settings: Settings) -> bool:
+    """Eager on CPU hosts (nothing to capture); CUDA graphs elsewhere unless configured (piecewise: see connector)."""
+    if settings.prefill.enforce_eager is not None:
+        return settings.prefill.enforce_eager
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def connector_config(settings: Settings) -> dict:

@@ -103,7 +103,7 @@ class Transfer:
         self._bufs: tuple[np.ndarray, np.ndarray] | None = None  # pooled 1-D buffers behind _keys, _values
         self.future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are read via result()
-        self._keys = self._values = self._filled = self._claimed = self._first = None
+        self._keys = self._values = self._filled = self._claimed = self._first = self._layer_first = None
         self._t0 = 0.0
         self._bytes = 0
 
@@ -126,14 +126,19 @@ class Transfer:
         replicas of one head) is refused without touching what the others fill."""
         if self._first is None:
             self._allocate(hdr)
-        elif (hdr.dtype, hdr.window, hdr.window_layers) != (self._first.dtype, self._first.window,
-                                                           self._first.window_layers):
-            raise TransferError("kv_error", "streams of one transfer disagree on dtype or sliding windows")
+        elif hdr.dtype != self._first.dtype:
+            raise TransferError("kv_error", f"streams of one transfer disagree on the wire dtype ({hdr.dtype}, "
+                                f"{self._first.dtype})")
         layers, heads = list(hdr.stream_layers), slice(hdr.head_start, hdr.head_start + hdr.heads)
         if self._claimed[layers, heads].any():
             raise TransferError("kv_error", "transfer is already streaming these layers and heads on another "
                                 "connection")
+        firsts = np.array([hdr.layer_start(x) for x in layers])  # a sliding layer's window starts late
+        claimed = self._claimed[layers].any(axis=1)
+        if (self._layer_first[layers][claimed] != firsts[claimed]).any():
+            raise TransferError("kv_error", "streams of one transfer disagree on a layer's sliding window")
         self._claimed[layers, heads] = True
+        self._layer_first[layers] = firsts
 
     def _allocate(self, hdr: wire.StreamHeader) -> None:
         shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
@@ -145,6 +150,7 @@ class Transfer:
             self._keys, self._values = (b[:n].reshape(shape) for b in self._bufs)
         self._filled = np.zeros(shape[:3], dtype=bool)
         self._claimed = np.zeros(shape[:2], dtype=bool)
+        self._layer_first = np.full(shape[0], hdr.start)  # first token each layer needs (sliding: its window)
         self._first = hdr
         self._t0 = time.perf_counter()
 
@@ -178,7 +184,7 @@ class Transfer:
         self._bytes += hdr.kv_bytes(count)
 
     def _missing(self, layers, heads: slice) -> int:
-        return sum(int((~self._filled[layer, heads, self._first.layer_start(layer) - self.start:]).sum())
+        return sum(int((~self._filled[layer, heads, self._layer_first[layer] - self.start:]).sum())
                    for layer in layers)
 
     def stream_done(self, hdr: wire.StreamHeader) -> None:
@@ -190,10 +196,9 @@ class Transfer:
             self.finish()
 
     def finish(self) -> None:
-        h = self._first
-        for layer in h.window_layers if h.window else ():  # before a sliding layer's window: nothing was sent
-            self._keys[layer, :, :h.layer_start(layer) - self.start] = 0
-            self._values[layer, :, :h.layer_start(layer) - self.start] = 0
+        for layer in np.flatnonzero(self._layer_first > self.start):  # before a sliding window: nothing was sent
+            self._keys[layer, :, :self._layer_first[layer] - self.start] = 0
+            self._values[layer, :, :self._layer_first[layer] - self.start] = 0
         bufs, pool = self._bufs, self.pool
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
         self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,

@@ -115,7 +115,9 @@ class PrefillConfig(BaseModel):
     dtype: str = Field(default="auto", description="vLLM model dtype; float32 makes bridged KV match MLX tightly")
     kv_cache_space_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
-    enforce_eager: bool = True
+    enforce_eager: bool | None = Field(
+        default=None, description="unset: eager on CPU hosts, CUDA graphs on GPUs (the connector asks vLLM for "
+        "piecewise graphs, so save_kv_layer still runs between layers); true/false forces it")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         default="auto", description="vLLM KV cache dtype; fp8 caches cross the wire as fp8 with their scales")
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
