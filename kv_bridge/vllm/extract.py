@@ -1,5 +1,5 @@
 """Gather one layer's KV of all of a step's sending requests out of vLLM's paged cache into host memory, in the
-wire dtype (torch): one block-id upload, one gather, one device-to-host copy into a reused pinned buffer per step.
+wire dtype (torch): one index upload, one gather for K and one for V, one copy into a reused pinned buffer per step.
 
 On CUDA the gather runs on the compute stream (so it reads the blocks before any later kernel may reuse them,
 even after vLLM frees them), and only the copy to pinned memory runs on a side stream, finishing with an event
@@ -110,56 +110,75 @@ class Extractor:
         return self.extract_batch(kv_layer, [Span(block_ids, start, end)], scales).parts[0]
 
     def extract_batch(self, kv_layer: torch.Tensor, spans: list[Span], scales: tuple[float, float]) -> HostBatch:
-        """Every span's (H, n, D) K and V of this layer, gathered at once."""
-        picked = [self.layout.block_span(s.block_ids, s.start, s.end) for s in spans]
-        idx = torch.from_numpy(np.concatenate([b for b, _ in picked]))
+        """Every span's (H, n, D) K and V of this layer: one index upload, one gather for K and one for V (straight
+        into packed order: span by span, head by head, token by token), one copy to a reused pinned buffer."""
+        idx, counts = self._indices(spans)
         if self.cuda:
             idx = idx.pin_memory().to(kv_layer.device, non_blocking=True)
-        blocks = kv_layer[idx]  # the one gather, on the compute stream: done before vLLM can reuse any block
-        parts, first = [], 0
-        for (b, off), s in zip(picked, spans):
-            parts.append(self._convert(blocks[first:first + len(b)], off, s.end - s.start, scales))
-            first += len(b)
+        k, v = self.layout.rows(kv_layer, idx[0], idx[1], idx[2])  # on the compute stream: read before any reuse
+        k, v, sc = self._to_wire(k, v, counts, scales)
+        pieces = (sc, k, v)
+        nbytes = sum(t.numel() * t.element_size() for t in pieces)
         if not self.cuda:  # already host tensors: numpy views of them, no further copy
-            return HostBatch([HostKV(*(_host(t) for t in p), _noop) for p in parts], None,
-                             sum(t.numel() * t.element_size() for p in parts for t in p))
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in _packed(parts)])  # one buffer: one D2H copy
-        host = self.pinned.take(flat.numel())
+            return HostBatch(_split(pieces, counts, self.layout, _noop), None, nbytes)
+        host = self.pinned.take(nbytes)
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(torch.cuda.current_stream())
-            host[:flat.numel()].copy_(flat, non_blocking=True)
-            flat.record_stream(self.stream)  # `flat` lives on the main stream's allocator until the copy is done
+            pos, views = 0, []
+            for t in pieces:  # scales first: every piece stays aligned to its element size
+                n = t.numel() * t.element_size()
+                dst = host[pos:pos + n].view(t.dtype).view(t.shape)
+                dst.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)  # freed only once this copy is done
+                views.append(dst)
+                pos += n
             event = torch.cuda.Event()
             event.record(self.stream)
-        return HostBatch(_unpack(host, parts, event.synchronize), lambda: self.pinned.give(host), flat.numel())
+        return HostBatch(_split(views, counts, self.layout, event.synchronize), lambda: self.pinned.give(host), nbytes)
 
-    def _convert(self, blocks: torch.Tensor, off: int, n: int, scales: tuple[float, float]):
-        """(K, V, scales) of one span on the cache's device, in the wire dtype; never synchronizes with the host."""
-        k, v = self.layout.split(blocks, off, n)
-        k, v = k.contiguous(), v.contiguous()
+    def _indices(self, spans: list[Span]) -> tuple[torch.Tensor, list[int]]:
+        """(3, N) int64 (block, head, offset) of every span's tokens in packed order (span, head, token), and each
+        span's token count; vectorized over all spans (a Python loop per token or head costs more than the copy)."""
+        bs, h = self.layout.block_size, self.layout.num_kv_heads
+        picked = [self.layout.block_span(s.block_ids, s.start, s.end) for s in spans]  # refuses a bad span
+        n = np.array([s.end - s.start for s in spans], dtype=np.int64)
+        table = np.zeros((len(spans), max(len(b) for b, _ in picked)), dtype=np.int64)
+        for i, (b, _) in enumerate(picked):
+            table[i, :len(b)] = b
+        offs = np.array([off for _, off in picked], dtype=np.int64)
+        span = np.repeat(np.arange(len(spans)), h * n)
+        j = np.arange(len(span)) - np.repeat(h * (np.cumsum(n) - n), h * n)  # row within its span
+        heads, pos = j // n[span], j % n[span] + offs[span]
+        idx = np.stack([table[span, pos // bs], heads, pos % bs])
+        return torch.from_numpy(idx), n.tolist()
+
+    def _to_wire(self, k: torch.Tensor, v: torch.Tensor, counts: list[int], scales: tuple[float, float]):
+        """(K, V, scales (n_spans, 2) float32) in the wire dtype; never synchronizes with the host."""
+        dev, n = k.device, len(counts)
         if self.cache_is_fp8:  # stored bytes and the layer's current scales travel as they are
-            return k.view(torch.uint8), v.view(torch.uint8), torch.tensor(scales, dtype=torch.float32,
-                                                                          device=k.device)
-        if self.wire_dtype == "float8_e4m3":
-            (k, ks), (v, vs) = _to_fp8(k), _to_fp8(v)
-            return k, v, torch.stack([ks, vs])
-        return k, v, torch.ones(2, dtype=torch.float32, device=k.device)
+            return k.view(torch.uint8), v.view(torch.uint8), torch.tensor([scales] * n, dtype=torch.float32,
+                                                                          device=dev)
+        if self.wire_dtype != "float8_e4m3":
+            return k, v, torch.ones(n, 2, dtype=torch.float32, device=dev)
+        qk, qv, sc, lo = [], [], [], 0  # scaled per frame: one scale per span and K/V
+        for c in counts:
+            rows = c * self.layout.num_kv_heads
+            (a, ks), (b, vs) = _to_fp8(k[lo:lo + rows]), _to_fp8(v[lo:lo + rows])
+            qk.append(a), qv.append(b), sc.append(torch.stack([ks, vs]))
+            lo += rows
+        return torch.cat(qk), torch.cat(qv), torch.stack(sc)
 
 
-def _packed(parts: list) -> list[torch.Tensor]:
-    """Order in the flat buffer: every part's float32 scales first (keeps each piece aligned), then K, V of each."""
-    return [p[2] for p in parts] + [t for p in parts for t in p[:2]]
-
-
-def _unpack(host: torch.Tensor, parts: list, ready: Callable[[], None]) -> list[HostKV]:
-    """numpy views of each part's K, V and scales inside the flat host buffer (laid out as `_packed`)."""
-    views, pos = [], 0
-    for t in _packed(parts):
-        nb = t.numel() * t.element_size()
-        views.append(_host(host[pos:pos + nb].view(t.dtype).view(t.shape)))
-        pos += nb
-    n = len(parts)
-    return [HostKV(views[n + 2 * i], views[n + 2 * i + 1], views[i], ready) for i in range(n)]
+def _split(pieces, counts: list[int], layout: PagedLayout, ready: Callable[[], None]) -> list[HostKV]:
+    """Each span's HostKV: numpy views into the packed host scales (n, 2), K and V (N, D)."""
+    sc, k, v = (_host(t) for t in pieces)
+    h, d = layout.num_kv_heads, layout.head_dim
+    out, lo = [], 0
+    for i, c in enumerate(counts):
+        rows = c * h
+        out.append(HostKV(k[lo:lo + rows].reshape(h, c, d), v[lo:lo + rows].reshape(h, c, d), sc[i], ready))
+        lo += rows
+    return out
 
 
 def _to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
