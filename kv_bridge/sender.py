@@ -66,6 +66,8 @@ class KVSender:
     With `key` (the node secret's KV key) every stream header is signed, and with `frame_mac` every frame is tagged.
     """
 
+    writer_cls: type = None  # _Writer (set below); a profiler may substitute a subclass
+
     def __init__(self, max_bytes: int = 1 << 30, connect_timeout_s: float = 5.0, key: bytes | None = None,
                  frame_mac: bool = True, send_timeout_s: float = 10.0):
         self._timeouts = (connect_timeout_s, send_timeout_s)
@@ -84,7 +86,7 @@ class KVSender:
         with self._lock:
             w = self._writers.get((host, port))
             if w is None:
-                w = self._writers[(host, port)] = _Writer(self, f"{host}:{port}")
+                w = self._writers[(host, port)] = self.writer_cls(self, f"{host}:{port}")
             self._dest[hdr.transfer_id] = w
         w.put(("open", hdr.transfer_id, (hdr, host, port)))
 
@@ -215,6 +217,9 @@ class _Writer:
             st.sock.close()  # the receiver sees the stream end and fails the transfer at once (decode prefills)
         self.s.stats.failed_transfers += 1
         self.s.stats.failed.append(tid)
+
+
+KVSender.writer_cls = _Writer
 
 
 def _seal(st: _Stream, parts: list) -> list:

@@ -34,7 +34,7 @@ def prefill_main(job_file: str) -> None:
 
     job = json.loads(Path(job_file).read_text())
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
-              max_model_len=1024, disable_log_stats=False, **job["engine"],
+              max_model_len=768, disable_log_stats=False, **job["engine"],
               kv_transfer_config=KVTransferConfig(kv_connector="DisaggConnector", kv_role="kv_producer",
                                                   kv_connector_module_path="kv_bridge.vllm.connector"))
     sps = [SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {
@@ -85,12 +85,12 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_preempted_prefills_complete_and_decode_like_mlx(tiny_llama, tmp_path):
-    """Five 300-600-token prompts at once in a cache of 6 blocks of 128 tokens (768 tokens), prefilled in chunks
+    """Five 300-600-token prompts at once in a cache of 8 blocks of 128 tokens (7 usable: 896 tokens), prefilled in chunks
     of 128: vLLM must preempt and resume; each transfer still completes, with no token sent twice."""
     folder, model, tok = tiny_llama
     ids = tok.encode(TEXT)
     prompts = [ids[i * 11:i * 11 + n] for i, n in enumerate((600, 300, 450, 520, 380))]
-    engine = {"num_gpu_blocks_override": 6, "max_num_batched_tokens": 128, "max_num_seqs": 5,
+    engine = {"num_gpu_blocks_override": 8, "max_num_batched_tokens": 128, "max_num_seqs": 5,
               "enable_prefix_caching": False}
     kvs, preemptions = asyncio.run(bridged(folder, prompts, engine, tmp_path))
     assert preemptions > 0, "the test did not force a preemption"
@@ -115,6 +115,19 @@ def assert_decodes_like_mlx(model, tok, prompt: list[int], kv) -> None:
                                             prompt_cache=cache)]
     ref = [r.token for r in stream_generate(model, tok, mx.array(prompt), max_tokens=DECODE_TOKENS)]
     assert got == ref
+
+
+
+def test_tensor_parallel_2_on_vllm_cpu(tiny_llama, tmp_path):
+    """TP=2 over the tiny llama's 2 KV heads: each rank streams its head; the receiver assembles both streams."""
+    folder, model, tok = tiny_llama
+    ids = tok.encode(TEXT)
+    prompts = [ids[:200], ids[5:300]]
+    kvs, _ = asyncio.run(bridged(folder, prompts, {"tensor_parallel_size": 2,
+                                                   "distributed_executor_backend": "mp"}, tmp_path))
+    for prompt, kv in zip(prompts, kvs):
+        assert kv.nbytes == kv.keys.nbytes + kv.values.nbytes
+        assert_decodes_like_mlx(model, tok, prompt, kv)
 
 
 if __name__ == "__main__":
