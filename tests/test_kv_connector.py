@@ -58,6 +58,13 @@ def test_resumed_request_never_resends_what_it_sent():
     assert ranges(sched.build_connector_meta(step(cached=[("r", 300, None, False)], scheduled={"r": 1}))) == []
 
 
+def test_request_rescheduled_as_new_keeps_what_it_sent():
+    sched = SchedulerSide()
+    sched.build_connector_meta(step([new_req("r", 300, [0, 1])], scheduled={"r": 128}))
+    meta = sched.build_connector_meta(step([new_req("r", 300, [4, 5, 6])], scheduled={"r": 256}))
+    assert ranges(meta) == [(128, 256, False)] and meta.sends[0].block_ids == [4, 5, 6]
+
+
 def test_preempted_before_any_compute_resumes_from_kv_start():
     sched = SchedulerSide()
     params = {**PARAMS, "start": 50}

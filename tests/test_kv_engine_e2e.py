@@ -117,7 +117,6 @@ def assert_decodes_like_mlx(model, tok, prompt: list[int], kv) -> None:
     assert got == ref
 
 
-
 def test_tensor_parallel_2_on_vllm_cpu(tiny_llama, tmp_path):
     """TP=2 over the tiny llama's 2 KV heads: each rank streams its head; the receiver assembles both streams."""
     folder, model, tok = tiny_llama

@@ -97,6 +97,10 @@ class SchedulerSide:
         return meta
 
     def _new_request(self, nr) -> _ReqState | None:
+        st = self._reqs.get(nr.req_id)
+        if st is not None:  # a preempted request scheduled anew: its new block table, what it sent stays sent
+            st.block_ids = list(nr.block_ids[0])
+            return st
         params = transfer_params(nr.sampling_params.extra_args if nr.sampling_params else None)
         if params is None:
             return None
