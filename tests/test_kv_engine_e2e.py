@@ -85,13 +85,14 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_preempted_prefills_complete_and_decode_like_mlx(tiny_llama, tmp_path):
-    """Five 300-600-token prompts at once in a cache of 8 blocks of 128 tokens (7 usable: 896 tokens), prefilled in chunks
-    of 128: vLLM must preempt and resume; each transfer still completes, with no token sent twice."""
+    """Five 300-600-token prompts in a cache of 8 blocks of 128 tokens (7 usable: 896 tokens), prefilled all five at
+    once in chunks of 128 each (the second step needs 10 blocks): vLLM must preempt and resume; each transfer still
+    completes, with no token sent twice."""
     folder, model, tok = tiny_llama
     ids = tok.encode(TEXT)
     prompts = [ids[i * 11:i * 11 + n] for i, n in enumerate((600, 300, 450, 520, 380))]
-    engine = {"num_gpu_blocks_override": 8, "max_num_batched_tokens": 128, "max_num_seqs": 5,
-              "enable_prefix_caching": False}
+    engine = {"num_gpu_blocks_override": 8, "max_num_batched_tokens": 640, "long_prefill_token_threshold": 128,
+              "max_num_seqs": 5, "enable_prefix_caching": False}
     kvs, preemptions = asyncio.run(bridged(folder, prompts, engine, tmp_path))
     assert preemptions > 0, "the test did not force a preemption"
     for prompt, kv in zip(prompts, kvs):
