@@ -193,3 +193,50 @@ def test_header_slices_are_validated():
                                        "window": 4, "window_layers": [2]})
     assert hdr.layers == (0, 2) and hdr.heads == 2 and hdr.layer_start(2) == 6 and hdr.layer_start(0) == 0
     assert wire.StreamHeader.from_json(hdr.to_json()) == hdr
+
+
+def test_fp8_scales_are_read_when_each_step_sends():
+    """vLLM may recalibrate a layer's fp8 scales after the caches are registered: every frame carries the scales
+    the layer holds when that step's KV is read, not those of registration."""
+    from types import SimpleNamespace
+
+    from kv_bridge import dtypes
+
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 0x7E, (L, H, 40, D), dtype=np.uint8)  # finite e4m3 codes, positive
+    lay = CpuAttnLayout(block_size=BS, num_kv_heads=H, head_dim=D)
+    blocks = [2, 0, 1]
+    caches, layers = {}, {}
+    for i in range(L):
+        paged = np.zeros((4, H, BS, 2 * D), np.uint8)
+        lay.scatter(paged, blocks, 0, codes[i], codes[i])
+        caches[NAMES[i]] = torch.from_numpy(paged)
+        layers[NAMES[i]] = (i, SimpleNamespace(_k_scale_float=0.5, _v_scale_float=0.25))
+
+    async def go():
+        rx = KVReceiver(KVConfig())
+        port = free_port()
+        await rx.start("127.0.0.1", port)
+        t = rx.expect("t1", 40, SPEC)
+        w = WorkerSide(None, None, {})
+        w.configure(Extractor(lay, "float8_e4m3", True, torch.device("cpu")), SPEC, layers, (0, H))
+
+        def drive():
+            for n, meta in enumerate(sends(port, 40, (16,), blocks=blocks)):
+                if n == 1:  # recalibrated between the steps
+                    for _, layer in layers.values():
+                        layer._k_scale_float, layer._v_scale_float = 2.0, 4.0
+                for name, cache in caches.items():
+                    w.save_kv_layer(meta, name, cache)
+                w.wait_for_save(meta)
+            w.sender.flush()
+        await asyncio.to_thread(drive)
+        try:
+            return await t.result(10)
+        finally:
+            w.shutdown()
+            await rx.stop()
+    got = asyncio.run(go())
+    for (a, b), (ks, vs) in (((0, 16), (0.5, 0.25)), ((16, 40), (2.0, 4.0))):
+        np.testing.assert_array_equal(got.keys[:, :, a:b], dtypes.to_float32(codes[:, :, a:b], "float8_e4m3", ks))
+        np.testing.assert_array_equal(got.values[:, :, a:b], dtypes.to_float32(codes[:, :, a:b], "float8_e4m3", vs))
