@@ -113,9 +113,9 @@ class WorkerSide:
             window=window, window_layers=tuple(x for x in wl if x in layers) if window else ())
 
     def save_kv_layer(self, meta: DisaggConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
-        if not meta.sends or self._heads is None:
+        layer = self._layer_index.get(layer_name)
+        if not meta.sends or self._heads is None or layer is None:  # None: not a layer this rank registered
             return
-        layer = self._layer_index[layer_name]
         spans, sends = [], []
         for s in meta.sends:
             try:
