@@ -42,7 +42,8 @@ def check_vllm_version(found: tuple[str, str] | None = None) -> None:
 
 
 def check_cache_spec(layer: str, spec, num_kv_heads: int, head_dim: int, block_size: int) -> int | None:
-    """Refuse by name a layer whose cache spec the layout adapters do not describe; its sliding window (or None).
+    """Refuse by name a layer whose cache spec the layout adapters do not describe; the spec's sliding window (or
+    None; that of the layer's group, not necessarily the layer's own).
 
     Beyond the tensor shape: the spec's kind, head slots, quantization mode, value head size and block size decide
     how a block is arranged, and an fp8 cache must be scaled per tensor (one scale per layer travels per frame).

@@ -68,8 +68,11 @@ class WorkerSide:
                 raise ValueError(f"cannot tell the layer index of attention layer {name!r}")
             found[name] = (int(m.group(1)), ctx[name])
             spec = self._spec_of(name)
-            w = getattr(ctx[name], "sliding_window", None) if spec is None else \
+            if spec is not None:
                 check_cache_spec(name, spec, heads, head_dim, cfg.cache_config.block_size)
+            # the layer's own window: with one KV cache group (hybrid manager off) the group's spec carries the
+            # model's sliding window for full-attention layers too
+            w = getattr(ctx[name], "sliding_window", None)
             if w:
                 windows[found[name][0]] = int(w)
         tp_size, tp_rank = self._tp or _tp_rank(cfg.parallel_config)
