@@ -39,7 +39,7 @@ def engine_args(settings: Settings, route: ModelRoute):
         kv_cache_dtype=settings.prefill.kv_cache_dtype,
         max_model_len=route.max_model_len,
         gpu_memory_utilization=settings.prefill.gpu_memory_utilization,
-        enforce_eager=settings.prefill.enforce_eager,
+        enforce_eager=enforce_eager(settings),
         max_num_batched_tokens=settings.prefill.max_num_batched_tokens,
         enable_prefix_caching=settings.prefill.enable_prefix_caching,
         kv_transfer_config=KVTransferConfig(
@@ -51,10 +51,20 @@ def engine_args(settings: Settings, route: ModelRoute):
     )
 
 
+def enforce_eager(settings: Settings) -> bool:
+    """Eager on CPU hosts (nothing to capture); CUDA graphs elsewhere unless configured (piecewise: see connector)."""
+    if settings.prefill.enforce_eager is not None:
+        return settings.prefill.enforce_eager
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def connector_config(settings: Settings) -> dict:
     """The connector's kv_connector_extra_config; it carries the KV key derived from the node secret, not the secret."""
     kv, key = settings.kv, settings.auth.kv_key()
-    extra = {"queue_frames": kv.queue_frames, "connect_timeout_s": kv.connect_timeout_s, "wire_dtype": kv.wire_dtype}
+    extra = {"sender_bytes": kv.sender_bytes, "connect_timeout_s": kv.connect_timeout_s,
+             "send_timeout_s": kv.send_timeout_s, "wire_dtype": kv.wire_dtype}
     if key is not None:
         extra.update(kv_auth_key=key.hex(), kv_frame_mac=settings.auth.kv_frame_mac)
     return extra

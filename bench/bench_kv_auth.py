@@ -53,7 +53,7 @@ async def transfer(n: int, key: bytes | None, frame_mac: bool, kv) -> float:
         t0 = time.perf_counter()
 
         def send():
-            s = KVSender(queue_frames=64, key=key, frame_mac=frame_mac)
+            s = KVSender(max_bytes=64 << 20, key=key, frame_mac=frame_mac)
             s.open(wire.StreamHeader("b", "bench", L, H, D, "float32", 0, n), "127.0.0.1", port)
             for layer in range(L):
                 s.send_layer("b", layer, 0, keys[layer], values[layer])

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from kv_bridge import wire  # noqa: E402
 from kv_bridge.config import KVConfig  # noqa: E402
 from kv_bridge.receiver import KVReceiver, Transfer  # noqa: E402
-from kv_bridge.sender import KVSender  # noqa: E402
+from kv_bridge.sender import KVSender, _Writer  # noqa: E402
 
 L, H, D = 30, 3, 64  # SmolLM2: float32 on the wire, as the embedded model stores it
 SPEC = {"fingerprint": "bench", "num_layers": L, "num_kv_heads": H, "head_dim": D}
@@ -161,30 +161,36 @@ class _TimedDigest:
         return self.digest.intdigest()
 
 
+class TimedWriter(_Writer):
+    """A destination's writer thread, timed: frame building (checksum of the payload) vs sendall (profiling only)."""
+
+    def _dispatch(self, op, tid, arg):
+        t0 = time.perf_counter()
+        before = self.s.t["sendall"]
+        super()._dispatch(op, tid, arg)
+        if op == "kv":
+            self.s.t["frame build (checksum, mac)"] += time.perf_counter() - t0 - (self.s.t["sendall"] - before)
+
+    def _write(self, st, tid, parts):
+        t0 = time.perf_counter()
+        super()._write(st, tid, parts)
+        self.s.t["sendall"] += time.perf_counter() - t0
+
+
 class TimedSender(KVSender):
-    """KVSender whose writer thread is timed: frame building (checksum of the payload) vs sendall (profiling only)."""
+    """KVSender whose writers are timed."""
+
+    writer_cls = TimedWriter
 
     def __init__(self):
         self.t = {"frame build (checksum, mac)": 0.0, "sendall": 0.0}
         super().__init__()
 
-    def _dispatch(self, op, tid, arg):
-        t0 = time.perf_counter()
-        before = self.t["sendall"]
-        super()._dispatch(op, tid, arg)
-        if op == "kv":
-            self.t["frame build (checksum, mac)"] += time.perf_counter() - t0 - (self.t["sendall"] - before)
-
-    def _write(self, st, tid, parts):
-        t0 = time.perf_counter()
-        super()._write(st, tid, parts)
-        self.t["sendall"] += time.perf_counter() - t0
-
 
 class TimedTransfer(Transfer):
-    def add(self, layer, start, k, v):
+    def add(self, hdr, layer, start, k, v):
         t0 = time.perf_counter()
-        super().add(layer, start, k, v)
+        super().add(hdr, layer, start, k, v)
         self.times["assemble (Transfer.add)"] += time.perf_counter() - t0
 
 

@@ -141,7 +141,9 @@ class PrefillConfig(BaseModel):
     dtype: str = Field(default="auto", description="vLLM model dtype; float32 makes bridged KV match MLX tightly")
     kv_cache_space_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU hosts")
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
-    enforce_eager: bool = True
+    enforce_eager: bool | None = Field(
+        default=None, description="unset: eager on CPU hosts, CUDA graphs on GPUs (the connector asks vLLM for "
+        "piecewise graphs, so save_kv_layer still runs between layers); true/false forces it")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         default="auto", description="vLLM KV cache dtype; fp8 caches cross the wire as fp8 with their scales")
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
@@ -179,8 +181,12 @@ class KVConfig(BaseModel):
     pool_bytes: int = Field(
         default=2 << 30, ge=0, description="decode node: idle receive buffers kept for the next transfers (a fresh "
         "buffer is paid in page faults as the KV lands); 0 allocates every transfer anew")
-    queue_frames: int = Field(default=256, ge=1, description="sender queue bound (frames) before the forward waits")
+    sender_bytes: int = Field(
+        default=1 << 30, ge=1 << 20, description="prefill node: most KV (host copies, pinned on CUDA) queued for "
+        "sending across all destinations; the forward pass waits only beyond it")
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    send_timeout_s: float = Field(default=10.0, gt=0, description="prefill node: a decode node that takes no KV for "
+                                  "this long fails its own transfers (its frames are dropped, the gateway falls back)")
     wire_dtype: Literal["auto", "float8_e4m3"] = Field(
         default="auto", description="auto: the cache's own dtype; float8_e4m3: scaled fp8 on the wire (1/2 of bf16)")
 

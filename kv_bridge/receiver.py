@@ -1,192 +1,24 @@
-"""Decode-side KV receiver: an asyncio TCP server that assembles frames into per-layer arrays.
+"""Decode-side KV receiver: an asyncio TCP server; each connection is one stream of a transfer (kv_bridge/assembly.py).
 
-A transfer is registered (`expect`) before the prefill side connects; its KV lands in preallocated
-buffers (L, H, T, D) and is handed over only when every layer covers every token (never partial KV).
-With a key (the node secret's KV key), a stream whose header is not authenticated is refused before any payload.
+A transfer is registered (`expect`) before the prefill side connects; its streams land in preallocated buffers
+(L, H, T, D), handed over only when every layer, head and token is covered (never partial KV). With a key (the node
+secret's KV key), a stream whose header is not authenticated is refused before any payload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Callable
-
-import numpy as np
 
 from kv_bridge import wire
+from kv_bridge.assembly import BufferPool, ReceivedKV, Transfer, TransferError
 from kv_bridge.config import KVConfig
+
+__all__ = ["BufferPool", "KVCapacityError", "KVReceiver", "ReceivedKV", "Transfer", "TransferError"]
 
 log = logging.getLogger(__name__)
 
 STAGE_BYTES = 64 << 10  # a read whose target has less left than this goes through a staging buffer (see get_buffer)
-
-
-class TransferError(RuntimeError):
-    """The transfer failed (sender error, corrupt stream, mismatch, abort); decode must prefill locally."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-class BufferPool:
-    """float32 receive buffers reused across transfers, up to `max_bytes` of idle ones.
-
-    A fresh buffer costs a page fault per page as the KV lands in it, and on Linux with transparent huge pages
-    sometimes a compaction stall: `bench/bench_transfer.py` saw 0.1-0.9 s for 377 MB. A buffer comes back only
-    through `ReceivedKV.release()`, once its consumer has copied the KV out (never from a failed transfer, whose
-    connection may still be writing into it). Thread-safe: the MLX thread releases what the event loop took.
-    """
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self._free: list[np.ndarray] = []  # 1-D float32, smallest first
-        self._lock = threading.Lock()
-
-    @property
-    def idle_bytes(self) -> int:
-        with self._lock:
-            return sum(b.nbytes for b in self._free)
-
-    def take(self, n: int) -> np.ndarray:
-        """A 1-D float32 buffer of at least n elements (at most twice that, so small transfers do not pin big ones)."""
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if n <= b.size <= 2 * n:
-                    return self._free.pop(i)
-        return np.empty(n, np.float32)
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if buf.nbytes > self.max_bytes:
-                return
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.size)
-            while sum(b.nbytes for b in self._free) > self.max_bytes:
-                self._free.pop(0)  # keep the big ones: they are the expensive ones to fault in
-
-
-@dataclass
-class ReceivedKV:
-    """Complete KV for prompt tokens [start, start + T): float32 keys/values shaped (L, H, T, D)."""
-
-    start: int
-    keys: np.ndarray
-    values: np.ndarray
-    nbytes: int
-    seconds: float  # first byte of the stream until it was complete
-    _release: Callable[[], None] | None = field(default=None, repr=False)
-
-    def release(self) -> None:
-        """The KV has been copied out: its buffers go back to the receiver's pool. keys/values are unusable after."""
-        release, self._release = self._release, None
-        self.keys = self.values = None
-        if release is not None:
-            release()
-
-
-class Transfer:
-    """One expected KV stream of prompt tokens [start, num_tokens); `result()` waits for it to complete, fail or
-    time out. start > 0: the decode node already holds the prefix's KV (docs/protocol.md, kv_start)."""
-
-    def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig, start: int = 0,
-                 pool: BufferPool | None = None):
-        if not 0 <= start < num_tokens:
-            raise ValueError(f"a transfer covers tokens [start, num_tokens) with 0 <= start < num_tokens, "
-                             f"got [{start}, {num_tokens})")
-        self.transfer_id = transfer_id
-        self.num_tokens = num_tokens
-        self.start = start
-        self.spec = spec  # fingerprint, num_layers, num_kv_heads, head_dim this node decodes with
-        self.cfg = cfg
-        self.pool = pool
-        self._bufs: tuple[np.ndarray, np.ndarray] | None = None  # pooled 1-D buffers behind _keys, _values
-        self.future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
-        self.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are read via result()
-        self._keys = self._values = self._filled = self._hdr = None
-        self._t0 = 0.0
-        self._bytes = 0
-
-    def check_header(self, hdr: wire.StreamHeader) -> None:
-        mine = (self.spec["fingerprint"], self.spec["num_layers"], self.spec["num_kv_heads"], self.spec["head_dim"])
-        theirs = (hdr.fingerprint, hdr.num_layers, hdr.num_kv_heads, hdr.head_dim)
-        if mine != theirs:
-            raise TransferError("kv_error", f"model mismatch: decode node has (fingerprint, layers, kv_heads, head_dim)"
-                                f"={mine}, prefill sent {theirs}")
-        if hdr.start != self.start or hdr.start + hdr.num_tokens != self.num_tokens:
-            raise TransferError("kv_error", f"transfer declares tokens [{hdr.start}, {hdr.start + hdr.num_tokens}), "
-                                f"decode expects [{self.start}, {self.num_tokens})")
-        total = hdr.kv_bytes(hdr.num_tokens, itemsize=4) * hdr.num_layers  # arrives widened to float32
-        if hdr.num_tokens > self.cfg.max_tokens or total > self.cfg.max_transfer_bytes:
-            raise TransferError("kv_error", f"transfer of {hdr.num_tokens} tokens / {total} bytes is over the "
-                                f"configured bound ({self.cfg.max_tokens} tokens, {self.cfg.max_transfer_bytes} bytes)")
-
-    def begin(self, hdr: wire.StreamHeader) -> None:
-        if self._hdr is not None:  # a second HEADER (a replay) must not reset buffers the first stream fills
-            raise TransferError("kv_error", "transfer is already streaming on another connection")
-        shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
-        if self.pool is None:
-            self._keys, self._values = np.empty(shape, np.float32), np.empty(shape, np.float32)
-        else:
-            n = int(np.prod(shape))
-            self._bufs = (self.pool.take(n), self.pool.take(n))
-            self._keys, self._values = (b[:n].reshape(shape) for b in self._bufs)
-        self._filled = np.zeros((hdr.num_layers, hdr.num_tokens), dtype=bool)
-        self._hdr = hdr
-        self._t0 = time.perf_counter()
-
-    def add(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        """One frame; `start` is the absolute token position (wire.parse_kv checked it lies in the stream's range)."""
-        n, i = k.shape[1], start - self.start  # buffers hold tokens [self.start, num_tokens)
-        if self._filled[layer, i:i + n].any():
-            raise wire.WireError(f"KV frame overlaps tokens already received (layer {layer}, start {start})")
-        self._keys[layer, :, i:i + n] = k
-        self._values[layer, :, i:i + n] = v
-        self._filled[layer, i:i + n] = True
-        self._bytes += self._hdr.kv_bytes(n)  # bytes as they crossed the network
-
-    def views(self, layer: int, start: int, count: int) -> list[memoryview]:
-        """Where a float32 frame's payload goes, in wire order: K (count, D) for each head, then V likewise, each a
-        contiguous slice of this transfer's arrays, so the frame is received in place (no copy). The tokens are
-        claimed now; a frame that fails its checksum afterwards fails the whole transfer."""
-        a = start - self._hdr.start
-        if self._filled[layer, a:a + count].any():
-            raise wire.WireError(f"KV frame overlaps tokens already received (layer {layer}, start {start})")
-        self._filled[layer, a:a + count] = True
-        heads = range(self._hdr.num_kv_heads)
-        return [memoryview(buf[layer, h, a:a + count]).cast("B") for buf in (self._keys, self._values) for h in heads]
-
-    def received(self, count: int) -> None:
-        """A frame received in place (views()) passed its checks: count its bytes."""
-        self._bytes += self._hdr.kv_bytes(count)
-
-    def finish(self) -> None:
-        if not self._filled.all():
-            missing = int((~self._filled).sum())
-            raise wire.WireError(f"DONE before all KV arrived ({missing} layer-tokens missing)")
-        bufs, pool = self._bufs, self.pool
-        release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
-        self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
-                                 release))
-
-    def fail(self, reason: str, message: str) -> None:
-        if not self.future.done():
-            self.future.set_exception(TransferError(reason, message))
-        self._keys = self._values = None  # free partial buffers at once
-
-    def _resolve(self, kv: ReceivedKV) -> None:
-        if not self.future.done():
-            self.future.set_result(kv)
-
-    async def result(self, timeout: float) -> ReceivedKV:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.future), timeout)
-        except asyncio.TimeoutError:
-            self.fail("kv_timeout", f"no complete KV within {timeout:.1f}s")
-            raise TransferError("kv_timeout", f"no complete KV within {timeout:.1f}s") from None
 
 
 class KVCapacityError(RuntimeError):
@@ -380,14 +212,14 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if t is None:
             return
         layer, start, count, _, _ = wire.parse_kv_prefix(kvp, length, self.hdr)
-        views = t.views(layer, start, count)
+        views = t.views(self.hdr, layer, start, count)
         trailer = self._small_view(wire.PREFIX.size + wire.KV_PREFIX.size, self._trailer_size(wire.KV))
 
         digest = wire.kv_digest(kvp)  # this path has no frame MAC: the checksum is the whole check
 
         def done() -> None:
             wire.check_digest(digest, trailer)
-            t.received(count)
+            t.received(self.hdr, count)
             self._expect_prefix()
         self._read([*views, trailer], done, digest, len(views))
 
@@ -403,10 +235,12 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if t is None:
             return
         if ftype == wire.KV:
-            t.add(*wire.parse_kv(body, self.hdr))
+            t.add(self.hdr, *wire.parse_kv(body, self.hdr))
         elif ftype == wire.DONE:
-            t.finish()
+            t.stream_done(self.hdr)
+            self.transfer = None  # this stream is complete; the transfer may still wait on other ranks' streams
             self._close()
+            return
         elif ftype == wire.ERROR:
             raise TransferError("kv_error", "prefill reported: " + str(wire.parse_json(body).get("message")))
         else:

@@ -1,5 +1,7 @@
-"""Prefill-side KV sender: a bounded queue drained by one writer thread, so the forward pass never waits
-on the network (it only waits when the queue is full, which bounds host memory).
+"""Prefill-side KV sender: one writer thread per decode destination, host memory bounded in bytes across all.
+
+The forward pass only enqueues; it waits only when the queued KV would pass `max_bytes`, and a destination that
+stops reading fails its own transfers at its send timeout (freeing its bytes) without slowing the others.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import queue
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -31,47 +34,112 @@ class _Stream:
 class SenderStats:
     sent_bytes: int = 0
     failed_transfers: int = 0
+    peak_queued_bytes: int = 0
     finished: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+class _Budget:
+    """Queued payload bytes, bounded: take() waits while another `n` would pass the bound (one frame larger than
+    the whole bound still goes, alone)."""
+
+    def __init__(self, max_bytes: int, stats: SenderStats):
+        self.max_bytes, self.used, self.stats = max_bytes, 0, stats
+        self._cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        with self._cond:
+            while self.used and self.used + n > self.max_bytes:
+                self._cond.wait(1.0)
+            self.used += n
+            self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self.used)
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
 
 
 class KVSender:
-    """`open` / `send_layer` / `close` enqueue work; the writer thread owns every socket.
+    """`open` / `send_layer` / `close` enqueue work on the destination's writer, which owns its sockets.
 
     With `key` (the node secret's KV key) every stream header is signed, and with `frame_mac` every frame is tagged.
     """
 
-    def __init__(self, queue_frames: int = 256, connect_timeout_s: float = 5.0, key: bytes | None = None,
-                 frame_mac: bool = True):
-        self._q: queue.Queue = queue.Queue(maxsize=queue_frames)
-        self._timeout = connect_timeout_s
+    writer_cls: type = None  # _Writer (set below); a profiler may substitute a subclass
+
+    def __init__(self, max_bytes: int = 1 << 30, connect_timeout_s: float = 5.0, key: bytes | None = None,
+                 frame_mac: bool = True, send_timeout_s: float = 10.0):
+        self._timeouts = (connect_timeout_s, send_timeout_s)
         self._key, self._frame_mac = key, frame_mac
-        self._streams: dict[str, _Stream] = {}
         self.stats = SenderStats()
-        self._thread = threading.Thread(target=self._run, name="disagg-kv-sender", daemon=True)
-        self._thread.start()
+        self._budget = _Budget(max_bytes, self.stats)
+        self._writers: dict[tuple[str, int], _Writer] = {}
+        self._dest: dict[str, _Writer] = {}  # transfer id -> its destination's writer
+        self._lock = threading.Lock()
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._budget.used
 
     def open(self, hdr: wire.StreamHeader, host: str, port: int) -> None:
-        self._q.put(("open", hdr.transfer_id, (hdr, host, port)))
+        with self._lock:
+            w = self._writers.get((host, port))
+            if w is None:
+                w = self._writers[(host, port)] = self.writer_cls(self, f"{host}:{port}")
+            self._dest[hdr.transfer_id] = w
+        w.put(("open", hdr.transfer_id, (hdr, host, port)))
 
     def send_layer(self, transfer_id: str, layer: int, start: int, keys: np.ndarray, values: np.ndarray,
-                   scales: np.ndarray | None = None, ready=None) -> None:
-        """Queue one frame; `ready()` (a CUDA event's synchronize) runs on the writer thread before sending."""
-        self._q.put(("kv", transfer_id, (layer, start, keys, values, scales, ready)))
+                   scales: np.ndarray | None = None, ready=None, release: Callable[[], None] | None = None) -> None:
+        """Queue one frame; `ready()` (a CUDA event's synchronize) runs on the writer before sending, `release()`
+        once the frame is written or dropped (the host buffer may be reused)."""
+        w = self._dest.get(transfer_id)
+        if w is None or w.failed(transfer_id):  # a failed transfer's frames are dropped at once, not queued
+            if release is not None:
+                release()
+            return
+        n = keys.nbytes + values.nbytes
+        self._budget.take(n)
+        w.put(("kv", transfer_id, (layer, start, keys, values, scales, ready, release, n)))
 
     def close(self, transfer_id: str, error: str | None = None) -> None:
-        self._q.put(("close", transfer_id, error))
+        with self._lock:
+            w = self._dest.pop(transfer_id, None)
+        if w is not None:
+            w.put(("close", transfer_id, error))
 
     def flush(self) -> None:
         """Block until everything queued so far is written (tests, shutdown)."""
-        self._q.join()
+        for w in list(self._writers.values()):
+            w.q.join()
 
     def shutdown(self) -> None:
-        self._q.put(("stop", "", None))
-        self._thread.join(timeout=10)
+        for w in list(self._writers.values()):
+            w.put(("stop", "", None))
+            w.thread.join(timeout=10)
+
+
+class _Writer:
+    """One decode destination: a queue and the thread that writes its streams in order."""
+
+    def __init__(self, sender: KVSender, name: str):
+        self.s = sender
+        self.q: queue.Queue = queue.Queue()
+        self.streams: dict[str, _Stream] = {}
+        self.thread = threading.Thread(target=self._run, name=f"disagg-kv-sender {name}", daemon=True)
+        self.thread.start()
+
+    def put(self, item) -> None:
+        self.q.put(item)
+
+    def failed(self, tid: str) -> bool:
+        st = self.streams.get(tid)
+        return st is not None and st.failed is not None
 
     def _run(self) -> None:
         while True:
-            op, tid, arg = self._q.get()
+            op, tid, arg = self.q.get()
             try:
                 if op == "stop":
                     return
@@ -79,38 +147,42 @@ class KVSender:
             except Exception:  # the writer must outlive any one transfer's failure
                 log.exception("KV sender: %s for %s failed", op, tid)
             finally:
-                self._q.task_done()
+                self.q.task_done()
 
     def _dispatch(self, op: str, tid: str, arg) -> None:
         if op == "open":
-            self._streams[tid] = self._connect(*arg)
+            self.streams[tid] = self._connect(*arg)
             return
-        st = self._streams.get(tid)
-        if st is None:
-            return
-        if op == "kv" and st.failed is None:
-            layer, start, k, v, scales, ready = arg
-            if ready is not None:
-                ready()
-            ks, vs = (1.0, 1.0) if scales is None else (float(scales[0]), float(scales[1]))
-            self._write(st, tid, self._seal(st, wire.kv_frame_parts(layer, start, k, v, ks, vs)))
-        elif op == "close":
-            self._streams.pop(tid, None)
+        st = self.streams.get(tid)
+        if op == "kv":
+            layer, start, k, v, scales, ready, release, n = arg
+            try:
+                if st is not None and st.failed is None:
+                    if ready is not None:
+                        ready()
+                    ks, vs = (1.0, 1.0) if scales is None else (float(scales[0]), float(scales[1]))
+                    self._write(st, tid, _seal(st, wire.kv_frame_parts(layer, start, k, v, ks, vs)))
+            finally:
+                self.s._budget.give(n)
+                if release is not None:
+                    release()
+        elif op == "close" and st is not None:
+            self.streams.pop(tid, None)
             self._finish(st, tid, arg)
 
     def _connect(self, hdr: wire.StreamHeader, host: str, port: int) -> _Stream:
-        st = _Stream()
-        if self._key is not None:
-            hdr = wire.sign_header(hdr, self._key, self._frame_mac)
-            st.mac = wire.FrameMac(self._key, hdr.auth) if self._frame_mac else None
+        st, (connect_s, send_s) = _Stream(), self.s._timeouts
+        if self.s._key is not None:
+            hdr = wire.sign_header(hdr, self.s._key, self.s._frame_mac)
+            st.mac = wire.FrameMac(self.s._key, hdr.auth) if self.s._frame_mac else None
         try:
-            st.sock = socket.create_connection((host, port), timeout=self._timeout)
+            st.sock = socket.create_connection((host, port), timeout=connect_s)
             st.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             st.sock.sendall(wire.json_frame(wire.HEADER, hdr.to_json()))
             ftype, body = _read_frame(st.sock)
             if ftype != wire.ACK:
                 raise wire.WireError("receiver refused the stream: " + str(wire.parse_json(body).get("message")))
-            st.sock.settimeout(None)
+            st.sock.settimeout(send_s)  # a receiver that stops reading fails this stream, not the others
         except (OSError, wire.WireError) as e:
             self._fail(st, hdr.transfer_id, f"cannot open KV stream to {host}:{port}: {e}")
         return st
@@ -120,13 +192,9 @@ class KVSender:
             n = sendall_parts(st.sock, parts)
             st.frames += 1
             st.bytes += n
-            self.stats.sent_bytes += n
+            self.s.stats.sent_bytes += n
         except OSError as e:
-            self._fail(st, tid, f"KV stream broke: {e}")
-
-    @staticmethod
-    def _seal(st: _Stream, parts: list) -> list:
-        return parts if st.mac is None else st.mac.seal(parts)
+            self._fail(st, tid, f"KV stream broke or stalled: {e!r}")
 
     def _finish(self, st: _Stream, tid: str, error: str | None) -> None:
         if st.sock is None:
@@ -134,18 +202,28 @@ class KVSender:
         try:
             if st.failed is None:
                 ftype, body = (wire.DONE, {"frames": st.frames}) if error is None else (wire.ERROR, {"message": error})
-                st.sock.sendall(b"".join(self._seal(st, wire.frame_parts(ftype, json.dumps(body).encode()))))
+                st.sock.sendall(b"".join(_seal(st, wire.frame_parts(ftype, json.dumps(body).encode()))))
                 if error is None:
-                    self.stats.finished.append(tid)
+                    self.s.stats.finished.append(tid)
         except OSError as e:
-            self._fail(st, tid, f"KV stream broke at the end: {e}")
+            self._fail(st, tid, f"KV stream broke at the end: {e!r}")
         finally:
             st.sock.close()
 
     def _fail(self, st: _Stream, tid: str, msg: str) -> None:
         log.warning("KV transfer %s: %s", tid, msg)
         st.failed = msg
-        self.stats.failed_transfers += 1
+        if st.sock is not None:
+            st.sock.close()  # the receiver sees the stream end and fails the transfer at once (decode prefills)
+        self.s.stats.failed_transfers += 1
+        self.s.stats.failed.append(tid)
+
+
+KVSender.writer_cls = _Writer
+
+
+def _seal(st: _Stream, parts: list) -> list:
+    return parts if st.mac is None else st.mac.seal(parts)
 
 
 def sendall_parts(sock: socket.socket, parts: list) -> int:

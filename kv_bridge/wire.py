@@ -7,6 +7,8 @@ Frame:  type u8 | body_len u32 | body | checksum(body)      (all little-endian; 
 Stream: HEADER ->(receiver answers ACK or ERROR)-> KV* -> DONE   (or ERROR from the sender at any point)
 KV body: layer u32 | token_start u32 | token_count u32 | k_scale f32 | v_scale f32 | K (H, count, D) | V (H, count, D)
          in the HEADER's wire dtype (kv_bridge/dtypes.py); scales are 1.0 except for fp8.
+Streams: one transfer may arrive as several streams (tensor/pipeline-parallel ranks), each declaring the KV heads
+[head_start, head_start + head_count) and the layers it carries; its KV frames hold only those heads.
 Auth (when nodes share a secret): the HEADER's `auth` is an HMAC of its fields; with `frame_mac`, every later
 sender frame is followed by a 32-byte tag chained from it (FrameMac).
 """
@@ -57,20 +59,50 @@ class StreamHeader:
     start: int  # first token position the KV covers
     num_tokens: int
     version: int = VERSION
+    head_start: int = 0  # this stream's KV heads: [head_start, head_start + head_count); head_count 0: all of them
+    head_count: int = 0
+    layers: tuple[int, ...] | None = None  # the layers this stream carries (ascending); None: all of them
+    window: int = 0  # > 0: on window_layers only the last `window` tokens of the transfer are sent (sliding layers)
+    window_layers: tuple[int, ...] = ()
     auth: str | None = None  # hex HMAC-SHA256 over the fields above and frame_mac (sign_header); None: open
     frame_mac: bool = False  # every later sender frame carries a chained tag
 
     def to_json(self) -> dict:
         out = dict(self.__dict__)
+        for name in _DEFAULTED:  # a single full stream's header is byte-for-byte what it was before these existed
+            if out[name] == _FIELD_DEFAULTS[name]:
+                del out[name]
         if self.auth is None:  # an open stream's header is byte-for-byte what it was before auth existed
             del out["auth"], out["frame_mac"]
+        for name in ("layers", "window_layers"):
+            if name in out:
+                out[name] = list(out[name])
         return out
+
+    @property
+    def heads(self) -> int:
+        """KV heads each frame of this stream carries."""
+        return self.head_count or self.num_kv_heads
+
+    @property
+    def stream_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.layers is None else self.layers
+
+    def layer_start(self, layer: int) -> int:
+        """First token position this stream sends for `layer` (a sliding layer's window starts late)."""
+        if self.window and layer in self.window_layers:
+            return max(self.start, self.start + self.num_tokens - self.window)
+        return self.start
 
     @classmethod
     def from_json(cls, obj: dict) -> "StreamHeader":
-        optional = {"auth", "frame_mac"}
+        optional = {"auth", "frame_mac", *_DEFAULTED}
         try:
-            hdr = cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k not in optional or k in obj})
+            fields = {k: obj[k] for k in cls.__dataclass_fields__ if k not in optional or k in obj}
+            for name in ("layers", "window_layers"):
+                if fields.get(name) is not None:
+                    fields[name] = _int_tuple(fields[name], name)
+            hdr = cls(**fields)
         except (KeyError, TypeError) as e:
             raise WireError(f"bad stream header: {e}") from None
         for name in ("transfer_id", "fingerprint", "dtype"):
@@ -84,19 +116,45 @@ class StreamHeader:
             raise WireError(f"wire version {hdr.version} not supported (this side speaks {VERSION})")
         if hdr.dtype not in dtypes.STORAGE:
             raise WireError(f"wire dtype {hdr.dtype!r} not supported; expected one of {sorted(dtypes.STORAGE)}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "start", "num_tokens"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "start", "num_tokens", "head_start", "head_count",
+                     "window"):
             if not isinstance(getattr(hdr, name), int) or getattr(hdr, name) < 0:
                 raise WireError(f"bad stream header field {name}={getattr(hdr, name)!r}")
+        _check_slices(hdr)
         return hdr
 
     def kv_bytes(self, count: int, itemsize: int | None = None) -> int:
         """Payload bytes of one KV frame of `count` tokens (K and V), in the wire dtype unless told otherwise."""
-        return 2 * self.num_kv_heads * count * self.head_dim * (itemsize or dtypes.itemsize(self.dtype))
+        return 2 * self.heads * count * self.head_dim * (itemsize or dtypes.itemsize(self.dtype))
+
+
+_DEFAULTED = ("head_start", "head_count", "layers", "window", "window_layers")
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StreamHeader)}
+
+
+def _int_tuple(value, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise WireError(f"bad stream header field {name}: expected a list of integers")
+    return tuple(value)
+
+
+def _check_slices(hdr: StreamHeader) -> None:
+    """The heads and layers a stream declares lie inside the model's, layers ascending without repeats."""
+    if hdr.head_start + hdr.heads > hdr.num_kv_heads:
+        raise WireError(f"stream heads [{hdr.head_start}, {hdr.head_start + hdr.heads}) outside the model's "
+                        f"{hdr.num_kv_heads}")
+    for name in ("layers", "window_layers"):
+        ls = getattr(hdr, name) or ()
+        if any(b <= a for a, b in zip(ls, ls[1:])) or any(not 0 <= x < hdr.num_layers for x in ls):
+            raise WireError(f"bad stream header field {name}: ascending layer indices below {hdr.num_layers}")
 
 
 def _auth_message(hdr: StreamHeader) -> bytes:
     fields = [hdr.version, hdr.transfer_id, hdr.fingerprint, hdr.num_layers, hdr.num_kv_heads, hdr.head_dim,
               hdr.dtype, hdr.start, hdr.num_tokens, hdr.frame_mac]
+    sliced = [hdr.head_start, hdr.head_count, hdr.layers and list(hdr.layers), hdr.window, list(hdr.window_layers)]
+    if sliced != [0, 0, None, 0, []]:  # a single full stream signs exactly what it signed before streams were sliced
+        fields.append(sliced)
     return b"disagg kv header\0" + json.dumps(fields, separators=(",", ":")).encode()  # JSON: unambiguous
 
 
@@ -216,11 +274,12 @@ def parse_kv_prefix(prefix: bytes | memoryview, body_len: int, hdr: StreamHeader
     if body_len < KV_PREFIX.size:
         raise WireError("KV frame shorter than its prefix")
     layer, start, count, k_scale, v_scale = KV_PREFIX.unpack_from(prefix)
-    if layer >= hdr.num_layers:
-        raise WireError(f"KV frame for layer {layer}, stream has {hdr.num_layers} layers")
-    end = hdr.start + hdr.num_tokens
-    if count == 0 or start < hdr.start or start + count > end:
-        raise WireError(f"KV frame tokens [{start}, {start + count}) outside the stream's [{hdr.start}, {end})")
+    if layer >= hdr.num_layers or (hdr.layers is not None and layer not in hdr.layers):
+        raise WireError(f"KV frame for layer {layer}, which the stream does not carry")
+    end, first = hdr.start + hdr.num_tokens, hdr.layer_start(layer)
+    if count == 0 or start < first or start + count > end:
+        raise WireError(f"KV frame tokens [{start}, {start + count}) outside the stream's [{first}, {end}) "
+                        f"for layer {layer}")
     if body_len - KV_PREFIX.size != hdr.kv_bytes(count):
         raise WireError(f"KV frame payload is {body_len - KV_PREFIX.size} bytes, shape says {hdr.kv_bytes(count)}")
     if not (np.isfinite(k_scale) and np.isfinite(v_scale) and k_scale > 0 and v_scale > 0):
@@ -231,7 +290,7 @@ def parse_kv_prefix(prefix: bytes | memoryview, body_len: int, hdr: StreamHeader
 def parse_kv(body: memoryview, hdr: StreamHeader) -> tuple[int, int, np.ndarray, np.ndarray]:
     """Decode a KV frame body into (layer, token_start, K, V) as float32 (H, count, D) arrays."""
     layer, start, count, k_scale, v_scale = parse_kv_prefix(body, len(body), hdr)
-    shape = (hdr.num_kv_heads, count, hdr.head_dim)
+    shape = (hdr.heads, count, hdr.head_dim)
     half = hdr.kv_bytes(count) // 2
     dt = np.dtype(dtypes.STORAGE[hdr.dtype]).newbyteorder("<")
     k = np.frombuffer(body, dtype=dt, count=half // dt.itemsize, offset=KV_PREFIX.size).reshape(shape)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kv_bridge import dtypes
-from kv_bridge.vllm.extract import Extractor, wire_dtype_for
+from kv_bridge.vllm.extract import Extractor, Span, wire_dtype_for
 from kv_bridge.vllm.layouts import LAYOUTS, layout_for
 
 H, D, BS = 3, 64, 16
@@ -127,3 +127,29 @@ def test_cuda_gather_and_copy(order, dtype, wire):
         np.testing.assert_allclose(got_k, want_k, rtol=2 ** -4, atol=float(h.scales[0]) * 2 ** -9)
     else:
         assert np.array_equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("backend,order", [("CPU_ATTN", "LBHNC"), ("FLASH_ATTN", "LBNHC"), ("FLASH_ATTN", "BLHNC")])
+@pytest.mark.parametrize("wire", ["float32", "float8_e4m3"])
+def test_one_batched_extraction_equals_each_request_alone(backend, order, wire):
+    """A step's requests of one layer in one gather: each span's K, V (and per-frame fp8 scale) equal the numpy
+    gather of that request alone, whatever the order of its pages."""
+    lay, paged, k, v = synthetic(order, backend, 48, [5, 1, 9])
+    lay.scatter(paged, [2, 7], 0, k[:, 16:48], v[:, 16:48])  # a second request: tokens 16.. of the first, own pages
+    cache = torch.from_numpy(paged)
+    if order.startswith("BL") or order == "LBNHC":
+        cache = cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # physically token-major
+    ex = Extractor(lay, wire, cache_is_fp8=False, device=torch.device("cpu"))
+    spans = [Span([5, 1, 9], 0, 48), Span([2, 7], 3, 30), Span([5, 1, 9], 17, 18)]
+    batch = ex.extract_batch(cache, spans, (1.0, 1.0))
+    for s, got in zip(spans, batch.parts):
+        want_k, want_v = lay.gather(paged, s.block_ids, s.start, s.end)
+        gk = dtypes.to_float32(got.keys, wire, float(got.scales[0]))
+        gv = dtypes.to_float32(got.values, wire, float(got.scales[1]))
+        if wire == "float32":
+            assert np.array_equal(gk, want_k) and np.array_equal(gv, want_v)
+        else:
+            assert float(got.scales[0]) == pytest.approx(np.abs(want_k).max() / 448, rel=1e-6)
+            np.testing.assert_allclose(gk, want_k, rtol=2 ** -3, atol=float(got.scales[0]) * 2 ** -6)
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        ex.extract_batch(cache, [Span([2], 0, 40)], (1.0, 1.0))

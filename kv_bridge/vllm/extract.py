@@ -1,11 +1,14 @@
-"""Gather one request's KV of one layer out of vLLM's paged cache into host memory, in the wire dtype (torch).
+"""Gather one layer's KV of all of a step's sending requests out of vLLM's paged cache into host memory, in the
+wire dtype (torch): one index upload, one gather for K and one for V, one copy into a reused pinned buffer per step.
 
-On CUDA the gather and the device-to-host copy into pinned memory run on a side stream and finish with an
-event, so the forward pass never waits on them; the sender's writer thread waits on the event instead.
+On CUDA the gather runs on the compute stream (so it reads the blocks before any later kernel may reuse them,
+even after vLLM frees them), and only the copy to pinned memory runs on a side stream, finishing with an event
+that the sender's writer waits on; the forward pass never waits on the host.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,8 +48,53 @@ class HostKV:
     ready: Callable[[], None]
 
 
+@dataclass(frozen=True)
+class Span:
+    """Tokens [start, end) of one request whose pages are `block_ids` (in order)."""
+
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+class HostBatch:
+    """One step's host copy of one layer for several requests. `release()` once per part hands the pinned buffer
+    back to its pool when the last part has been sent (or dropped)."""
+
+    def __init__(self, parts: list[HostKV], on_free: Callable[[], None] | None, nbytes: int):
+        self.parts, self.nbytes = parts, nbytes
+        self._left, self._on_free, self._lock = len(parts), on_free, threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last and self._on_free is not None:
+            self._on_free()
+
+
 def _noop() -> None:
     return None
+
+
+class PinnedPool:
+    """Pinned host buffers reused from step to step (a fresh pinned allocation costs far more than the copy)."""
+
+    def __init__(self, keep: int = 8):
+        self._free: list[torch.Tensor] = []
+        self._keep, self._lock = keep, threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if nbytes <= b.numel() <= 2 * nbytes:
+                    return self._free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            del self._free[:-self._keep]
 
 
 class Extractor:
@@ -54,35 +102,83 @@ class Extractor:
         self.layout, self.wire_dtype, self.cache_is_fp8 = layout, wire_dtype, cache_is_fp8
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pinned = PinnedPool() if self.cuda else None
 
     def extract(self, kv_layer: torch.Tensor, block_ids: list[int], start: int, end: int,
                 scales: tuple[float, float]) -> HostKV:
-        blocks, off = self.layout.block_span(block_ids, start, end)
-        if not self.cuda:
-            parts = self._gather(kv_layer, torch.from_numpy(blocks), off, end - start, scales)
-            return HostKV(*(_host(t) for t in parts), _noop)
+        """One request's tokens [start, end): extract_batch with one span."""
+        return self.extract_batch(kv_layer, [Span(block_ids, start, end)], scales).parts[0]
+
+    def extract_batch(self, kv_layer: torch.Tensor, spans: list[Span], scales: tuple[float, float]) -> HostBatch:
+        """Every span's (H, n, D) K and V of this layer: one index upload, one gather for K and one for V (straight
+        into packed order: span by span, head by head, token by token), one copy to a reused pinned buffer."""
+        idx, counts = self._indices(spans)
+        if self.cuda:
+            idx = idx.pin_memory().to(kv_layer.device, non_blocking=True)
+        k, v = self.layout.rows(kv_layer, idx[0], idx[1], idx[2])  # on the compute stream: read before any reuse
+        k, v, sc = self._to_wire(k, v, counts, scales)
+        pieces = (sc, k, v)
+        nbytes = sum(t.numel() * t.element_size() for t in pieces)
+        if not self.cuda:  # already host tensors: numpy views of them, no further copy
+            return HostBatch(_split(pieces, counts, self.layout, _noop), None, nbytes)
+        host = self.pinned.take(nbytes)
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(torch.cuda.current_stream())  # this layer's KV was written on the main stream
-            idx = torch.from_numpy(blocks).to(kv_layer.device, non_blocking=True)
-            host = []
-            for t in self._gather(kv_layer, idx, off, end - start, scales):
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                host.append(h)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            pos, views = 0, []
+            for t in pieces:  # scales first: every piece stays aligned to its element size
+                n = t.numel() * t.element_size()
+                dst = host[pos:pos + n].view(t.dtype).view(t.shape)
+                dst.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)  # freed only once this copy is done
+                views.append(dst)
+                pos += n
             event = torch.cuda.Event()
             event.record(self.stream)
-        return HostKV(*(_host(t) for t in host), event.synchronize)
+        return HostBatch(_split(views, counts, self.layout, event.synchronize), lambda: self.pinned.give(host), nbytes)
 
-    def _gather(self, kv_layer: torch.Tensor, idx: torch.Tensor, off: int, n: int, scales: tuple[float, float]):
-        """(K, V, scales) on kv_layer's device, in the wire dtype; never synchronizes with the host."""
-        k, v = self.layout.split(kv_layer[idx], off, n)
-        k, v = k.contiguous(), v.contiguous()
-        if self.cache_is_fp8:  # stored bytes and the layer's scales travel as they are
-            return k.view(torch.uint8), v.view(torch.uint8), torch.tensor(scales, dtype=torch.float32)
-        if self.wire_dtype == "float8_e4m3":
-            (k, ks), (v, vs) = _to_fp8(k), _to_fp8(v)
-            return k, v, torch.stack([ks, vs])
-        return k, v, torch.ones(2, dtype=torch.float32, device=k.device)
+    def _indices(self, spans: list[Span]) -> tuple[torch.Tensor, list[int]]:
+        """(3, N) int64 (block, head, offset) of every span's tokens in packed order (span, head, token), and each
+        span's token count; vectorized over all spans (a Python loop per token or head costs more than the copy)."""
+        bs, h = self.layout.block_size, self.layout.num_kv_heads
+        picked = [self.layout.block_span(s.block_ids, s.start, s.end) for s in spans]  # refuses a bad span
+        n = np.array([s.end - s.start for s in spans], dtype=np.int64)
+        table = np.zeros((len(spans), max(len(b) for b, _ in picked)), dtype=np.int64)
+        for i, (b, _) in enumerate(picked):
+            table[i, :len(b)] = b
+        offs = np.array([off for _, off in picked], dtype=np.int64)
+        span = np.repeat(np.arange(len(spans)), h * n)
+        j = np.arange(len(span)) - np.repeat(h * (np.cumsum(n) - n), h * n)  # row within its span
+        heads, pos = j // n[span], j % n[span] + offs[span]
+        idx = np.stack([table[span, pos // bs], heads, pos % bs])
+        return torch.from_numpy(idx), n.tolist()
+
+    def _to_wire(self, k: torch.Tensor, v: torch.Tensor, counts: list[int], scales: tuple[float, float]):
+        """(K, V, scales (n_spans, 2) float32) in the wire dtype; never synchronizes with the host."""
+        dev, n = k.device, len(counts)
+        if self.cache_is_fp8:  # stored bytes and the layer's current scales travel as they are
+            return k.view(torch.uint8), v.view(torch.uint8), torch.tensor([scales] * n, dtype=torch.float32,
+                                                                          device=dev)
+        if self.wire_dtype != "float8_e4m3":
+            return k, v, torch.ones(n, 2, dtype=torch.float32, device=dev)
+        qk, qv, sc, lo = [], [], [], 0  # scaled per frame: one scale per span and K/V
+        for c in counts:
+            rows = c * self.layout.num_kv_heads
+            (a, ks), (b, vs) = _to_fp8(k[lo:lo + rows]), _to_fp8(v[lo:lo + rows])
+            qk.append(a), qv.append(b), sc.append(torch.stack([ks, vs]))
+            lo += rows
+        return torch.cat(qk), torch.cat(qv), torch.stack(sc)
+
+
+def _split(pieces, counts: list[int], layout: PagedLayout, ready: Callable[[], None]) -> list[HostKV]:
+    """Each span's HostKV: numpy views into the packed host scales (n, 2), K and V (N, D)."""
+    sc, k, v = (_host(t) for t in pieces)
+    h, d = layout.num_kv_heads, layout.head_dim
+    out, lo = [], 0
+    for i, c in enumerate(counts):
+        rows = c * h
+        out.append(HostKV(k[lo:lo + rows].reshape(h, c, d), v[lo:lo + rows].reshape(h, c, d), sc[i], ready))
+        lo += rows
+    return out
 
 
 def _to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

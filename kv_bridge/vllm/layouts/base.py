@@ -30,6 +30,11 @@ class PagedLayout:
         """
         raise NotImplementedError
 
+    def rows(self, kv_layer, b, h, o):
+        """K, V (N, D) of the N (block, head, offset) triples (index arrays/tensors): one gather each, no copy of
+        the cache; for a step's requests at once (extract.py), in whatever order the triples come."""
+        raise NotImplementedError
+
     def check(self, kv_layer_shape: tuple[int, ...]) -> None:
         """Refuse a per-layer cache whose shape this adapter does not describe."""
         raise NotImplementedError

@@ -25,6 +25,13 @@ class CpuAttnLayout(PagedLayout):
         v = permute(rows[:, :, 1].reshape(nb, h, bs, d), (1, 0, 2, 3))   # (H, nb, bs, D)
         return k.reshape(h, nb * bs, d)[:, off:off + n], v.reshape(h, nb * bs, d)[:, off:off + n]
 
+    def rows(self, kv_layer, b, h, o):
+        nb, hh, bs, d = kv_layer.shape[0], self.num_kv_heads, self.block_size, self.head_dim
+        rows = kv_layer.reshape(nb, hh, 2, bs * d)  # a view: the engine's cache is contiguous
+        k = rows[:, :, 0].reshape(nb, hh, d, bs)[b, h, :, o]   # K[d, o] at d * bs + o -> (N, D)
+        v = rows[:, :, 1].reshape(nb, hh, bs, d)[b, h, o]      # (N, D)
+        return k, v
+
     def gather(self, kv_layer: np.ndarray, block_ids: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """One pass: each run of consecutive block ids is a view of the cache, transposed straight into the
         preallocated (H, end - start, D) outputs (the generic path copies the blocks, then the transpose)."""

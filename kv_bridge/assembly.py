@@ -1,0 +1,223 @@
+"""Decode-side assembly of one KV transfer from its streams (one per prefill rank): coverage per layer, head and
+token, receive buffers (pooled) and the hand-over of complete KV only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from kv_bridge import wire
+from kv_bridge.config import KVConfig
+
+
+class TransferError(RuntimeError):
+    """The transfer failed (sender error, corrupt stream, mismatch, abort); decode must prefill locally."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class BufferPool:
+    """float32 receive buffers reused across transfers, up to `max_bytes` of idle ones.
+
+    A fresh buffer costs a page fault per page as the KV lands in it, and on Linux with transparent huge pages
+    sometimes a compaction stall: `bench/bench_transfer.py` saw 0.1-0.9 s for 377 MB. A buffer comes back only
+    through `ReceivedKV.release()`, once its consumer has copied the KV out (never from a failed transfer, whose
+    connection may still be writing into it). Thread-safe: the MLX thread releases what the event loop took.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[np.ndarray] = []  # 1-D float32, smallest first
+        self._lock = threading.Lock()
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+    def take(self, n: int) -> np.ndarray:
+        """A 1-D float32 buffer of at least n elements (at most twice that, so small transfers do not pin big ones)."""
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if n <= b.size <= 2 * n:
+                    return self._free.pop(i)
+        return np.empty(n, np.float32)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if buf.nbytes > self.max_bytes:
+                return
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.size)
+            while sum(b.nbytes for b in self._free) > self.max_bytes:
+                self._free.pop(0)  # keep the big ones: they are the expensive ones to fault in
+
+
+@dataclass
+class ReceivedKV:
+    """Complete KV for prompt tokens [start, start + T): float32 keys/values shaped (L, H, T, D)."""
+
+    start: int
+    keys: np.ndarray
+    values: np.ndarray
+    nbytes: int
+    seconds: float  # first byte of the stream until it was complete
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """The KV has been copied out: its buffers go back to the receiver's pool. keys/values are unusable after."""
+        release, self._release = self._release, None
+        self.keys = self.values = None
+        if release is not None:
+            release()
+
+
+class Transfer:
+    """One expected transfer of prompt tokens [start, num_tokens), assembled from one or more streams (one per
+    tensor/pipeline-parallel rank, each carrying some heads of some layers); `result()` waits for it to complete,
+    fail or time out. start > 0: the decode node already holds the prefix's KV (docs/protocol.md, kv_start).
+
+    Coverage is tracked per (layer, head, token); the transfer completes only once every position it needs arrived
+    (a sliding layer needs only its window), never on one stream's DONE while another stream still owes KV.
+    """
+
+    def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig, start: int = 0,
+                 pool: BufferPool | None = None):
+        if not 0 <= start < num_tokens:
+            raise ValueError(f"a transfer covers tokens [start, num_tokens) with 0 <= start < num_tokens, "
+                             f"got [{start}, {num_tokens})")
+        self.transfer_id = transfer_id
+        self.num_tokens = num_tokens
+        self.start = start
+        self.spec = spec  # fingerprint, num_layers, num_kv_heads, head_dim this node decodes with
+        self.cfg = cfg
+        self.pool = pool
+        self._bufs: tuple[np.ndarray, np.ndarray] | None = None  # pooled 1-D buffers behind _keys, _values
+        self.future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
+        self.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are read via result()
+        self._keys = self._values = self._filled = self._claimed = self._first = self._layer_first = None
+        self._t0 = 0.0
+        self._bytes = 0
+
+    def check_header(self, hdr: wire.StreamHeader) -> None:
+        mine = (self.spec["fingerprint"], self.spec["num_layers"], self.spec["num_kv_heads"], self.spec["head_dim"])
+        theirs = (hdr.fingerprint, hdr.num_layers, hdr.num_kv_heads, hdr.head_dim)
+        if mine != theirs:
+            raise TransferError("kv_error", f"model mismatch: decode node has (fingerprint, layers, kv_heads, head_dim)"
+                                f"={mine}, prefill sent {theirs}")
+        if hdr.start != self.start or hdr.start + hdr.num_tokens != self.num_tokens:
+            raise TransferError("kv_error", f"transfer declares tokens [{hdr.start}, {hdr.start + hdr.num_tokens}), "
+                                f"decode expects [{self.start}, {self.num_tokens})")
+        total = 2 * hdr.num_kv_heads * hdr.head_dim * 4 * hdr.num_tokens * hdr.num_layers  # arrives widened to float32
+        if hdr.num_tokens > self.cfg.max_tokens or total > self.cfg.max_transfer_bytes:
+            raise TransferError("kv_error", f"transfer of {hdr.num_tokens} tokens / {total} bytes is over the "
+                                f"configured bound ({self.cfg.max_tokens} tokens, {self.cfg.max_transfer_bytes} bytes)")
+
+    def begin(self, hdr: wire.StreamHeader) -> None:
+        """A stream opens: it claims its (layers, heads); a claim that overlaps another stream's (a replay, or two
+        replicas of one head) is refused without touching what the others fill."""
+        if self._first is None:
+            self._allocate(hdr)
+        elif hdr.dtype != self._first.dtype:
+            raise TransferError("kv_error", f"streams of one transfer disagree on the wire dtype ({hdr.dtype}, "
+                                f"{self._first.dtype})")
+        layers, heads = list(hdr.stream_layers), slice(hdr.head_start, hdr.head_start + hdr.heads)
+        if self._claimed[layers, heads].any():
+            raise TransferError("kv_error", "transfer is already streaming these layers and heads on another "
+                                "connection")
+        firsts = np.array([hdr.layer_start(x) for x in layers])  # a sliding layer's window starts late
+        claimed = self._claimed[layers].any(axis=1)
+        if (self._layer_first[layers][claimed] != firsts[claimed]).any():
+            raise TransferError("kv_error", "streams of one transfer disagree on a layer's sliding window")
+        self._claimed[layers, heads] = True
+        self._layer_first[layers] = firsts
+
+    def _allocate(self, hdr: wire.StreamHeader) -> None:
+        shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
+        if self.pool is None:
+            self._keys, self._values = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        else:
+            n = int(np.prod(shape))
+            self._bufs = (self.pool.take(n), self.pool.take(n))
+            self._keys, self._values = (b[:n].reshape(shape) for b in self._bufs)
+        self._filled = np.zeros(shape[:3], dtype=bool)
+        self._claimed = np.zeros(shape[:2], dtype=bool)
+        self._layer_first = np.full(shape[0], hdr.start)  # first token each layer needs (sliding: its window)
+        self._first = hdr
+        self._t0 = time.perf_counter()
+
+    def _claim(self, hdr: wire.StreamHeader, layer: int, start: int, count: int) -> tuple[slice, int]:
+        heads, a = slice(hdr.head_start, hdr.head_start + hdr.heads), start - self.start
+        filled = self._filled[layer, heads, a:a + count]
+        if filled.any():
+            raise wire.WireError(f"KV frame overlaps tokens already received (layer {layer}, start {start})")
+        filled[...] = True
+        return heads, a
+
+    def add(self, hdr: wire.StreamHeader, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """One frame of the stream `hdr`; `start` is the absolute token position (wire.parse_kv checked it lies in
+        the stream's range)."""
+        n = k.shape[1]
+        heads, i = self._claim(hdr, layer, start, n)
+        self._keys[layer, heads, i:i + n] = k
+        self._values[layer, heads, i:i + n] = v
+        self._bytes += hdr.kv_bytes(n)  # bytes as they crossed the network
+
+    def views(self, hdr: wire.StreamHeader, layer: int, start: int, count: int) -> list[memoryview]:
+        """Where a float32 frame's payload goes, in wire order: K (count, D) for each of the stream's heads, then V
+        likewise, each a contiguous slice of this transfer's arrays, so the frame is received in place (no copy).
+        The tokens are claimed now; a frame that fails its checksum afterwards fails the whole transfer."""
+        heads, a = self._claim(hdr, layer, start, count)
+        hs = range(heads.start, heads.stop)
+        return [memoryview(buf[layer, h, a:a + count]).cast("B") for buf in (self._keys, self._values) for h in hs]
+
+    def received(self, hdr: wire.StreamHeader, count: int) -> None:
+        """A frame received in place (views()) passed its checks: count its bytes."""
+        self._bytes += hdr.kv_bytes(count)
+
+    def _missing(self, layers, heads: slice) -> int:
+        return sum(int((~self._filled[layer, heads, self._layer_first[layer] - self.start:]).sum())
+                   for layer in layers)
+
+    def stream_done(self, hdr: wire.StreamHeader) -> None:
+        """A stream's DONE: everything it declared must have arrived; the transfer completes with its last stream."""
+        missing = self._missing(hdr.stream_layers, slice(hdr.head_start, hdr.head_start + hdr.heads))
+        if missing:
+            raise wire.WireError(f"DONE before all KV arrived ({missing} layer-head-tokens missing)")
+        if self._missing(range(hdr.num_layers), slice(None)) == 0:
+            self.finish()
+
+    def finish(self) -> None:
+        for layer in np.flatnonzero(self._layer_first > self.start):  # before a sliding window: nothing was sent
+            self._keys[layer, :, :self._layer_first[layer] - self.start] = 0
+            self._values[layer, :, :self._layer_first[layer] - self.start] = 0
+        bufs, pool = self._bufs, self.pool
+        release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
+        self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
+                                 release))
+
+    def fail(self, reason: str, message: str) -> None:
+        if not self.future.done():
+            self.future.set_exception(TransferError(reason, message))
+        self._keys = self._values = None  # free partial buffers at once
+
+    def _resolve(self, kv: ReceivedKV) -> None:
+        if not self.future.done():
+            self.future.set_result(kv)
+
+    async def result(self, timeout: float) -> ReceivedKV:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.future), timeout)
+        except asyncio.TimeoutError:
+            self.fail("kv_timeout", f"no complete KV within {timeout:.1f}s")
+            raise TransferError("kv_timeout", f"no complete KV within {timeout:.1f}s") from None
+
+

@@ -1,0 +1,96 @@
+"""The sender under a decode node that stops reading: its own transfer fails at the send timeout, a concurrent
+transfer to a healthy receiver completes meanwhile, and queued host memory never passes the byte bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import numpy as np
+
+from kv_bridge import wire
+from kv_bridge.config import KVConfig
+from kv_bridge.receiver import KVReceiver
+from kv_bridge.sender import KVSender
+from stack import free_port
+
+L, H, D = 4, 2, 64
+SPEC = {"fingerprint": "abc123", "num_layers": L, "num_kv_heads": H, "head_dim": D}
+
+
+def header(tid: str, n: int) -> wire.StreamHeader:
+    return wire.StreamHeader(tid, "abc123", L, H, D, "float32", 0, n)
+
+
+class StalledReceiver:
+    """Accepts, answers the stream header with ACK, then never reads again (a hung decode node)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            c.recv(4096)  # the HEADER frame (small)
+            c.sendall(wire.json_frame(wire.ACK, {}))
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def frames(sender: KVSender, tid: str, n: int, chunk: int, seed: int):
+    rng = np.random.default_rng(seed)
+    k, v = rng.standard_normal((L, H, n, D), np.float32), rng.standard_normal((L, H, n, D), np.float32)
+    for a in range(0, n, chunk):
+        for layer in range(L):
+            sender.send_layer(tid, layer, a, np.ascontiguousarray(k[layer, :, a:a + chunk]),
+                              np.ascontiguousarray(v[layer, :, a:a + chunk]))
+    sender.close(tid)
+    return k, v
+
+
+def test_stalled_destination_fails_alone_within_the_byte_bound():
+    bound = 4 << 20  # 4 MiB of queued KV; the stalled transfer alone is 16 MiB
+    sender = KVSender(max_bytes=bound, send_timeout_s=1.0)
+    stalled = StalledReceiver()
+
+    async def go():
+        rx = KVReceiver(KVConfig())
+        port = free_port()
+        await rx.start("127.0.0.1", port)
+        healthy = rx.expect("healthy", 2048, SPEC)
+        try:
+            sender.open(header("stuck", 8192), "127.0.0.1", stalled.port)
+            sender.open(header("healthy", 2048), "127.0.0.1", port)
+            # the forward pass: the stalled transfer's frames first, the healthy one's after them
+            stuck = asyncio.to_thread(frames, sender, "stuck", 8192, 256, 1)
+            await stuck
+            want = await asyncio.to_thread(frames, sender, "healthy", 2048, 256, 2)
+            got = await healthy.result(30)
+            await asyncio.to_thread(sender.flush)
+            return want, got
+        finally:
+            await rx.stop()
+    try:
+        (k, v), got = asyncio.run(go())
+    finally:
+        sender.shutdown()
+        stalled.close()
+    assert np.array_equal(got.keys, k) and np.array_equal(got.values, v)
+    assert sender.stats.failed == ["stuck"] and "healthy" in sender.stats.finished
+    assert sender.stats.peak_queued_bytes <= bound
+    assert sender.queued_bytes == 0  # the stalled transfer's frames were dropped, their memory freed
