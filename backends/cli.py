@@ -1,4 +1,5 @@
-"""`disagg` command line: prepare models, run one role (prefill, decode, gateway), or `up` for all of them.
+"""`disagg` command line: prepare models, check a config, run one role (prefill, decode, gateway), `up` for all of
+them, or `status` of a running site.
 
 Role modules are imported inside their command, so `disagg gateway` works on a box without torch or mlx.
 """
@@ -42,6 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--model", help="only this model id (default: every [[models]] route)")
     prep.set_defaults(func=_cmd_models_prepare)
 
+    cfg = sub.add_parser("config", help="check a config file").add_subparsers(dest="action", required=True)
+    chk = cfg.add_parser("check", help="validate FILE and print what each machine will run")
+    chk.add_argument("config", type=Path, metavar="FILE", help="the config file (e.g. examples/site.toml)")
+    chk.add_argument("--json", action="store_true", help="machine-readable output")
+    chk.set_defaults(func=_cmd_config_check)
+
+    st = sub.add_parser("status", parents=[common], help="one table for the whole site: every node's health, "
+                        "fingerprint, load and the KV link bandwidth of each prefill->decode pair")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--probe-mib", type=float, default=64.0, help="test transfer size per pair (0: no probe)")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
+    st.set_defaults(func=_cmd_status)
+
     for role, func in (("prefill", _cmd_prefill), ("decode", _cmd_decode)):
         r = sub.add_parser(role, parents=[common], help=f"run one {role} node")
         r.add_argument("--node", required=True, help=f"name of a [[nodes]] entry with role = {role!r}")
@@ -84,6 +98,18 @@ def _cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     from backends.up import up
 
     return up(settings, args.config)
+
+
+def _cmd_config_check(settings: Settings, args: argparse.Namespace) -> int:
+    from backends import config_check
+
+    return config_check.main(settings, args.config, args.json)
+
+
+def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from backends import status
+
+    return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout)
 
 
 def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:

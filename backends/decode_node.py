@@ -26,7 +26,7 @@ from aiohttp import web
 from backends.common import NodeError, bad_request, json_body, node_app, node_token, run_app
 from backends.sampling import GenParams, StopMatcher, make_sampling, token_logprobs
 from kv_bridge.config import NodeConfig, Settings, resolve_model_path
-from kv_bridge.fingerprint import kv_spec
+from kv_bridge.fingerprint import kv_spec, model_quantization
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
@@ -369,7 +369,7 @@ class DecodeService:
         for m in self.models.values():
             await loop.run_in_executor(m.executor, m.load)
             m.start()
-        await self.receiver.start(self.node.host, self.node.kv_port)
+        await self.receiver.start(self.node.kv_host or self.node.host, self.node.kv_port)
         log.info("decode node %s: models %s, KV on %s:%d", self.node.name, list(self.models), self.node.host,
                  self.node.kv_port)
 
@@ -387,7 +387,8 @@ class DecodeService:
                 "batch_size": sum(m.batch_size for m in ms), "cache_bytes": sum(m.cache_bytes for m in ms),
                 "transfers": len(self.receiver.transfers),  # registered and not yet settled: 0 when idle
                 "prefix_cache_bytes": sum(m.prefixes.nbytes for m in ms),
-                "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()}}
+                "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()},
+                "quantization": {mid: model_quantization(m.path) for mid, m in self.models.items()}}
 
     def _parse(self, body: dict) -> tuple[MLXModel, list[int], int, GenParams]:
         m = self.models.get(body.get("model"))

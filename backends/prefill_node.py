@@ -17,7 +17,7 @@ from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body, node_app, node_token, run_app
 from kv_bridge.config import ModelRoute, NodeConfig, Settings, resolve_model_path
-from kv_bridge.fingerprint import model_fingerprint
+from kv_bridge.fingerprint import model_fingerprint, model_quantization
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class PrefillService:
 
     def health(self) -> dict:
         return {"role": "prefill", "models": list(self.routes),
-                "fingerprint": {m: model_fingerprint(str(resolve_model_path(r))) for m, r in self.routes.items()}}
+                "fingerprint": {m: model_fingerprint(str(resolve_model_path(r))) for m, r in self.routes.items()},
+                "quantization": {m: model_quantization(resolve_model_path(r)) for m, r in self.routes.items()}}
 
     def _engine(self, body: dict):
         mid = body.get("model")
