@@ -143,4 +143,6 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node))
     app.router.add_post("/v1/prefill", svc.prefill)
     app.router.add_post("/v1/generate", svc.generate)
+    from backends.probe import register_prefill
+    register_prefill(app, svc)  # `disagg status`: KV link test transfers
     run_app(app, node)
