@@ -4,7 +4,6 @@ stance on quantization (accepted, reported) versus geometry and tokenizer (refus
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -119,16 +118,3 @@ def test_fingerprint_accepts_quantization_refuses_geometry_and_tokenizer(tmp_pat
         vocab[a], vocab[b] = vocab[b], vocab[a]
         return t
     assert model_fingerprint(str(_twin(tmp_path, "tok", tokenizer=other_vocab))) != base
-
-
-def test_real_mlx_conversion_keeps_the_fingerprint(tmp_path):
-    """mlx-lm's own converter (4-bit) re-saves config and tokenizer; the fingerprint still matches the HF folder."""
-    from mlx_lm import convert
-
-    from kv_bridge.fingerprint import model_fingerprint, model_quantization
-
-    out = tmp_path / "q4"
-    convert(str(MODEL_DIR), str(out), quantize=True, q_bits=4, q_group_size=64)
-    assert model_quantization(out) == "mlx 4-bit (group 64)"
-    assert model_fingerprint(str(out)) == model_fingerprint(str(MODEL_DIR))
-    shutil.rmtree(out)
