@@ -98,17 +98,18 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def report(rows: list[dict]) -> None:
     print(f"\n{'wire':<8}{'prompt':>8}{'split TTFT s':>14}{'MLX TTFT s':>12}{'TTFT x':>8}{'split tok/s':>12}"
-          f"{'MLX tok/s':>10}{'KV MiB':>9}{'KV s':>8}{'KV Gbit/s':>10}")
+          f"{'MLX tok/s':>10}{'KV MiB':>9}{'KV stream s':>12}")
     for r in rows:
         mlx, ratio = r.get("mlx_ttft"), ""
         if mlx is None:  # MLX alone ran on the first wire's stack only
             other = next((o for o in rows if o["length"] == r["length"] and "mlx_ttft" in o), None)
             mlx = other["mlx_ttft"] if other else None
         ratio = f"{mlx / r['split_ttft']:.1f}" if mlx else "-"
-        rate = 8 * r["kv_bytes"] / r["kv_s"] / 1e9 if r["kv_s"] > 0 else float("nan")
         print(f"{r['wire']:<8}{r['length']:>8}{r['split_ttft']:>14.3f}{(mlx or float('nan')):>12.3f}{ratio:>8}"
               f"{r['split_tps']:>12.2f}{r.get('mlx_tps', float('nan')):>10.2f}{r['kv_bytes'] / 2**20:>9.1f}"
-              f"{r['kv_s']:>8.3f}{rate:>10.2f}")
+              f"{r['kv_s']:>12.3f}")
+    print("KV stream s: the decode node's first KV byte to the last; the stream runs while vLLM computes, so it spans "
+          "the prefill (bytes over it is no link rate: `disagg status` measures that)")
     by = {(r["wire"], r["length"]): r for r in rows}
     for (wire, n), r in by.items():
         f = by.get(("float32", n))
