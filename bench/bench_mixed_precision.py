@@ -165,10 +165,10 @@ def measure(bits: int | None, batch, kvs: dict, n: int, work: Path) -> dict:
     return rows
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], n: int) -> dict:
     lens = [r["agree_len"] for r in rows]
     return {"agree_len_mean": float(np.mean(lens)), "agree_len_min": int(min(lens)),
-            "full_agreement": sum(1 for r in rows if r["agree_len"] == max(lens)),
+            "full_agreement": sum(1 for r in rows if r["agree_len"] == n),
             "top1": float(np.mean([r["top1"] for r in rows])), "kl_mean": float(np.mean([r["kl"] for r in rows])),
             "kl_max": float(max(r["kl"] for r in rows))}
 
@@ -193,9 +193,9 @@ def main() -> None:
         for b in (int(x) for x in args.bits.split(",")):
             rows = measure(None if b == 32 else b, batch, kvs, args.tokens, Path(work))
             for wire, rs in rows.items():
-                results[f"{b}-bit/{wire}"] = summary(rs)
+                results[f"{b}-bit/{wire}"] = summary(rs, args.tokens)
     print(f"\n{len(batch)} prompts x {args.length} tokens, {args.tokens} continuation tokens (teacher forcing)")
-    print(f"{'MLX weights / wire':<20} {'greedy agree (mean/min)':>24} {'all 256':>8} {'top-1':>8} "
+    print(f"{'MLX weights / wire':<20} {'greedy agree (mean/min)':>24} {'all ' + str(args.tokens):>8} {'top-1':>8} "
           f"{'mean KL':>10} {'max KL':>10}")
     for k, s in results.items():
         print(f"{k:<20} {s['agree_len_mean']:>16.1f} / {s['agree_len_min']:<5} {s['full_agreement']:>8} "
