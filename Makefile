@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 EXTRAS := gateway,prefill-cpu,decode-cpu,models,dev
 STAMP  := $(VENV)/.installed
 
-.PHONY: install models serve test clean
+.PHONY: install models serve test tools clean
 
 install: $(STAMP)
 
@@ -26,7 +26,11 @@ models: install
 serve: install models
 	$(BIN)/disagg up
 
-test: install models
+# promtool validates docker/prometheus/ (tests/test_deploy_files.py); Debian ships it in package prometheus.
+tools:
+	command -v promtool >/dev/null || (apt-get update && apt-get install -y --no-install-recommends prometheus)
+
+test: install models tools
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -1,4 +1,5 @@
-"""`disagg` command line: prepare models, run one role (prefill, decode, gateway), or `up` for all of them.
+"""`disagg` command line: prepare models, check a config, run one role (prefill, decode, gateway), `up` for all of
+them, or `status` of a running site.
 
 Role modules are imported inside their command, so `disagg gateway` works on a box without torch or mlx.
 """
@@ -40,7 +41,26 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="manage model folders").add_subparsers(dest="action", required=True)
     prep = models.add_parser("prepare", parents=[common], help="build the embedded models named in the config")
     prep.add_argument("--model", help="only this model id (default: every [[models]] route)")
+    prep.add_argument("--role", choices=("prefill", "decode"), help="a real checkpoint for this side (with --model)")
+    prep.add_argument("--hf", metavar="SRC", help="HF checkpoint: a local folder or a hub id (prefill side; the "
+                      "source --bits converts)")
+    prep.add_argument("--mlx", metavar="SRC", help="decode side: an MLX folder or hub id, used as it is")
+    prep.add_argument("--bits", type=int, choices=(4, 8), help="decode side: convert --hf with mlx-lm to this")
+    prep.add_argument("--against", type=Path, metavar="FOLDER", help="the other side's folder to verify against")
     prep.set_defaults(func=_cmd_models_prepare)
+
+    cfg = sub.add_parser("config", help="check a config file").add_subparsers(dest="action", required=True)
+    chk = cfg.add_parser("check", help="validate FILE and print what each machine will run")
+    chk.add_argument("config", type=Path, metavar="FILE", help="the config file (e.g. examples/site.toml)")
+    chk.add_argument("--json", action="store_true", help="machine-readable output")
+    chk.set_defaults(func=_cmd_config_check)
+
+    st = sub.add_parser("status", parents=[common], help="one table for the whole site: every node's health, "
+                        "fingerprint, load and the KV link bandwidth of each prefill->decode pair")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--probe-mib", type=float, default=64.0, help="test transfer size per pair (0: no probe)")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
+    st.set_defaults(func=_cmd_status)
 
     for role, func in (("prefill", _cmd_prefill), ("decode", _cmd_decode)):
         r = sub.add_parser(role, parents=[common], help=f"run one {role} node")
@@ -86,6 +106,18 @@ def _cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     return up(settings, args.config)
 
 
+def _cmd_config_check(settings: Settings, args: argparse.Namespace) -> int:
+    from backends import config_check
+
+    return config_check.main(settings, args.config, args.json)
+
+
+def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from backends import status
+
+    return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout)
+
+
 def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
     from backends import models
 
@@ -95,6 +127,8 @@ def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
         if not routes:
             raise ConfigError(f"--model {args.model!r} is not in [[models]] of {args.config}; "
                               f"known: {[r.id for r in settings.models]}")
+    if args.role is not None:
+        return _prepare_checkpoint(routes, args)
     failed = 0
     for route in routes:
         dest = resolve_model_path(route)
@@ -107,6 +141,23 @@ def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
                   f"(config.json, weights, tokenizer) there, or fix [[models]] path", file=sys.stderr)
             failed += 1
     return 1 if failed else 0
+
+
+def _prepare_checkpoint(routes, args: argparse.Namespace) -> int:
+    from backends import checkpoints
+
+    if args.model is None:
+        raise ConfigError("--role prepares one model's checkpoint: add --model ID")
+    route = routes[0]
+    try:
+        sides = checkpoints.prepare(route.id, resolve_model_path(route), args.role, hf=args.hf, mlx=args.mlx,
+                                    bits=args.bits, against=args.against)
+    except checkpoints.CheckpointError as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return 1
+    agree = "fingerprints agree" if len(sides) == 2 else "no other side given (--against) to compare with"
+    print(f"{route.id}: {args.role} side ready; {agree}\n" + "\n".join(s.line() for s in sides))
+    return 0
 
 
 if __name__ == "__main__":

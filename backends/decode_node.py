@@ -21,6 +21,7 @@ from backends.decode_engine import Job, MLXModel
 from backends.sampling import StopMatcher, parse_sampling
 from kv_bridge.config import NodeConfig, Settings, resolve_model_path
 from kv_bridge.protocol import DoneLine, Sampling, accepted_line, error_line
+from kv_bridge.fingerprint import model_quantization
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class DecodeService:
         for m in self.models.values():
             await loop.run_in_executor(m.executor, m.load)
             m.start()
-        await self.receiver.start(self.node.host, self.node.kv_port)
+        await self.receiver.start(self.node.kv_host or self.node.host, self.node.kv_port)
         log.info("decode node %s: models %s, KV on %s:%d", self.node.name, list(self.models), self.node.host,
                  self.node.kv_port)
 
@@ -65,7 +66,8 @@ class DecodeService:
                 "batch_size": sum(m.batch_size for m in ms), "cache_bytes": sum(m.cache_bytes for m in ms),
                 "transfers": len(self.receiver.transfers),  # registered and not yet settled: 0 when idle
                 "prefix_cache_bytes": sum(m.prefixes.nbytes for m in ms),
-                "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()}}
+                "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()},
+                "quantization": {mid: model_quantization(m.path) for mid, m in self.models.items()}}
 
     def _parse(self, body: dict) -> tuple[MLXModel, list[int], int, Sampling]:
         m = self.models.get(body.get("model"))
@@ -202,6 +204,8 @@ def serve(settings: Settings, node: NodeConfig) -> None:
         return web.json_response({"aborted": t is not None})
 
     app.router.add_post("/v1/transfers/{rid}/abort", abort)
+    from backends.probe import register_decode
+    register_decode(app, svc)  # `disagg status`: KV link test transfers
     # A client that leaves cancels its handler at once, even while it only waits for KV (no write to fail yet):
     # its transfer is forgotten and its job leaves the batch at the next step.
     run_app(app, node, handler_cancellation=True)

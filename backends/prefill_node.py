@@ -17,7 +17,7 @@ from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body, node_app, node_token, run_app
 from kv_bridge.config import ModelRoute, NodeConfig, Settings, resolve_model_path
-from kv_bridge.fingerprint import model_fingerprint
+from kv_bridge.fingerprint import model_fingerprint, model_quantization
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ class PrefillService:
 
     def health(self) -> dict:
         return {"role": "prefill", "models": list(self.routes),
-                "fingerprint": {m: model_fingerprint(str(resolve_model_path(r))) for m, r in self.routes.items()}}
+                "fingerprint": {m: model_fingerprint(str(resolve_model_path(r))) for m, r in self.routes.items()},
+                "quantization": {m: model_quantization(resolve_model_path(r)) for m, r in self.routes.items()}}
 
     def _engine(self, body: dict):
         mid = body.get("model")
@@ -152,4 +153,6 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node))
     app.router.add_post("/v1/prefill", svc.prefill)
     app.router.add_post("/v1/generate", svc.generate)
+    from backends.probe import register_prefill
+    register_prefill(app, svc)  # `disagg status`: KV link test transfers
     run_app(app, node)

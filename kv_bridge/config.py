@@ -39,8 +39,10 @@ class NodeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(ge=1, le=65535)
     kv_port: int | None = Field(default=None, ge=1, le=65535, description="decode only: KV receiver port")
+    kv_host: str | None = Field(default=None, description="decode only: the address the KV receiver listens on "
+                                "when KV has its own link (a 10GbE/200Gb address beside the HTTP one); None: host")
     kv_advertise_host: str | None = Field(default=None, description="decode only: the host prefill nodes send KV to "
-                                          "when it is not `host` (NAT, a relay); None: host")
+                                          "when it is not kv_host/host (NAT, a relay); None: kv_host or host")
     kv_advertise_port: int | None = Field(default=None, ge=1, le=65535, description="decode only: the port prefill "
                                           "nodes send KV to when it is not kv_port (a port forward, a relay)")
     max_inflight: int | None = Field(default=None, ge=1, description="most requests the gateway sends this node at "
@@ -59,7 +61,8 @@ class NodeConfig(BaseModel):
     @property
     def kv_target(self) -> dict:
         """Where prefill nodes push this decode node's KV: its advertised address, else host:kv_port."""
-        return {"host": self.kv_advertise_host or self.host, "port": self.kv_advertise_port or self.kv_port}
+        return {"host": self.kv_advertise_host or self.kv_host or self.host,
+                "port": self.kv_advertise_port or self.kv_port}
 
 
 class ModelRoute(BaseModel):
@@ -80,6 +83,8 @@ class ModelRoute(BaseModel):
                                      "model in flight at the gateway; more are answered 429 (None: no limit)")
     upstream: UpstreamConfig | None = Field(default=None, description="where requests go when no decode node can "
                                             "serve (litellm); None: answer 503")
+    aliases: list[str] = Field(default_factory=list, description="other names clients may send for this model "
+                               "(e.g. the hub id); unique across every model's id and aliases")
 
 
 class UpstreamConfig(BaseModel):
@@ -261,7 +266,8 @@ class AuthConfig(BaseModel):
 
     def check_node_exposure(self, node: "NodeConfig") -> None:
         """A node reachable from other hosts needs the node secret; raise ConfigError (or warn if allowed)."""
-        if is_loopback(node.host) or self.node_secret is not None or self.node_secret_file is not None:
+        local = is_loopback(node.host) and (node.kv_host is None or is_loopback(node.kv_host))
+        if local or self.node_secret is not None or self.node_secret_file is not None:
             return
         what = f"node {node.name!r} listens on {node.host} (HTTP {node.port}" + (
             f", KV {node.kv_port})" if node.kv_port else ")")
@@ -328,6 +334,10 @@ class Settings(BaseSettings):
         if dup:
             raise ValueError(f"node names must be unique; repeated: {sorted(dup)}")
         by_name = {n.name: n for n in self.nodes}
+        names = [name for m in self.models for name in (m.id, *m.aliases)]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"model ids and aliases must be unique across [[models]]; repeated: {sorted(dup)}")
         for m in self.models:
             for pool, role in ((m.prefill, "prefill"), (m.decode, "decode")):
                 for name in pool:

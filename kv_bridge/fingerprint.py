@@ -1,6 +1,7 @@
 """Model fingerprint: nodes exchange it before any KV so a mismatched model is refused, not decoded.
 
-Hash of the attention geometry, rope parameters, weight dtype and the tokenizer file, read from the HF folder.
+Hash of the attention geometry, rope parameters and the tokenizer's content, read from an HF or MLX folder. Weight
+quantization and dtype are left out (an FP8 Spark and a 4-bit Mac share KV); model_quantization() reports them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 
 # rope_* and layer_types/sliding_window decide how keys are rotated and which layers slide (gpt_oss);
-# quantization is left out on purpose: an MXFP4 checkpoint and its dequantized twin compute the same KV.
+# quantization and weight dtype are left out on purpose: an MXFP4 checkpoint, its dequantized twin and an MLX 4-bit
+# conversion compute KV of the same shapes and meaning (how close in value: docs/kv_bridge.md, mixed precision).
 _FIELDS = ("model_type", "num_hidden_layers", "num_key_value_heads", "num_attention_heads", "head_dim",
            "hidden_size", "rope_theta", "rope_scaling", "rope_parameters", "sliding_window", "layer_types",
            "vocab_size")
@@ -27,7 +29,6 @@ def model_geometry(folder: str | Path) -> dict:
         geo["num_key_value_heads"] = cfg.get("num_attention_heads")
     if geo["rope_theta"] is None:
         geo["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    geo["dtype"] = cfg.get("torch_dtype") or cfg.get("dtype")
     return geo
 
 
@@ -38,8 +39,43 @@ def model_fingerprint(folder: str | Path) -> str:
     h = hashlib.sha256(json.dumps(model_geometry(folder), sort_keys=True).encode())
     tok = folder / "tokenizer.json"
     if tok.is_file():
-        h.update(hashlib.sha256(tok.read_bytes()).digest())
+        h.update(_tokenizer_digest(tok))
     return h.hexdigest()[:16]
+
+
+def _tokenizer_digest(path: Path) -> bytes:
+    """The tokenizer's content, not its bytes: a converter that re-saves tokenizer.json (mlx-lm does) changes
+    whitespace and key order, not the vocabulary, merges, added tokens or normalization."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return hashlib.sha256(path.read_bytes()).digest()
+    data.pop("truncation", None)  # runtime settings, not the mapping from text to ids
+    data.pop("padding", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, ensure_ascii=False).encode()).digest()
+
+
+def model_quantization(folder: str | Path) -> str:
+    """How the folder's weights are stored, for /health and `disagg status`: e.g. "mlx 4-bit (group 64)",
+    "fp8", "mxfp4", "bfloat16"."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    mlx_q = cfg.get("quantization")
+    if isinstance(mlx_q, dict) and mlx_q.get("bits"):
+        mode = mlx_q.get("mode", "affine")
+        return f"mlx {mlx_q['bits']}-bit" + (f" {mode}" if mode != "affine" else "") + \
+            f" (group {mlx_q.get('group_size', 64)})"
+    hf_q = cfg.get("quantization_config")
+    if isinstance(hf_q, dict):
+        method = str(hf_q.get("quant_method", "quantized"))
+        fmt = hf_q.get("format") or hf_q.get("quant_algo") or ""  # compressed-tensors / modelopt (NVFP4)
+        return method + (f" {fmt}".lower() if fmt else "")
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown")
+
+
+def kv_bytes_per_token(folder: str | Path, dtype_bytes: int = 2) -> int:
+    """KV bytes one token adds over all layers at `dtype_bytes` per element (2: bf16), windows ignored."""
+    geo = model_geometry(folder)
+    return 2 * geo["num_hidden_layers"] * geo["num_key_value_heads"] * geo["head_dim"] * dtype_bytes
 
 
 def kv_spec(folder: str | Path) -> dict:

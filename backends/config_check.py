@@ -1,0 +1,156 @@
+"""`disagg config check FILE`: validate a site config and print what each machine will run.
+
+Errors (the config cannot work) exit 2; warnings name what this machine cannot see (secrets, model folders).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kv_bridge.config import ConfigError, NodeConfig, Settings, is_loopback, resolve_model_path
+
+
+@dataclass
+class Report:
+    machines: list[dict] = field(default_factory=list)  # one per gateway / node: what runs there
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings}
+
+
+def check(settings: Settings, config: Path) -> Report:
+    """Everything the pydantic schema cannot see alone: each machine's role, addresses, models and the cross checks."""
+    rep = Report()
+    rep.machines.append(_gateway(settings))
+    for node in settings.nodes:
+        rep.machines.append(_node(settings, node))
+    _check_auth(settings, rep)
+    _check_addresses(settings, rep)
+    _check_models(settings, config, rep)
+    _check_prefill_memory(settings, rep)
+    return rep
+
+
+def _gateway(s: Settings) -> dict:
+    models = {m.id: m.aliases for m in s.models}
+    run = "disagg gateway" if is_loopback(s.gateway.host) else "docker compose -f docker/compose.yaml up -d"
+    return {"machine": f"{s.gateway.host}:{s.gateway.port}", "role": "gateway", "name": "gateway", "run": run,
+            "http": f"http://{s.gateway.host}:{s.gateway.port}", "kv": "-", "models": models}
+
+
+def _node(s: Settings, node: NodeConfig) -> dict:
+    pool = "prefill" if node.role == "prefill" else "decode"
+    models = {m.id: {"max_model_len": m.max_model_len} for m in s.models if node.name in getattr(m, pool)}
+    if node.role == "prefill":
+        run, kv = f"docker run --gpus all --network host disagg-prefill --node {node.name}", "sends"
+    else:
+        run = f"launchd com.disagg.decode (disagg decode --node {node.name})"
+    if is_loopback(node.host):
+        run = f"disagg {node.role} --node {node.name}  (all roles at once: disagg up)"
+    if node.role == "decode":
+        t = node.kv_target
+        kv = f"listens {node.kv_host or node.host}:{node.kv_port}, prefill sends to {t['host']}:{t['port']}"
+    return {"machine": node.host, "role": node.role, "name": node.name, "run": run, "http": node.url, "kv": kv,
+            "models": models}
+
+
+def _check_auth(s: Settings, rep: Report) -> None:
+    for node in s.nodes:
+        try:
+            s.auth.check_node_exposure(node)
+        except ConfigError as e:
+            rep.errors.append(str(e))
+    if not is_loopback(s.gateway.host) and not (s.auth.api_keys or s.auth.api_keys_file):
+        rep.warnings.append(f"the gateway listens on {s.gateway.host} with no auth.api_keys: any client on the "
+                            f"network can use it")
+    for what, fn in (("auth.node_secret_file", s.auth.secret), ("auth.api_keys_file", s.auth.client_keys)):
+        try:
+            fn()
+        except ConfigError as e:  # the files live on the machines, not necessarily where the check runs
+            rep.warnings.append(f"{e} (it must exist on every machine that runs a role)")
+
+
+def _check_addresses(s: Settings, rep: Report) -> None:
+    seen: dict[tuple[str, int], str] = {(s.gateway.host, s.gateway.port): "gateway"}
+    for node in s.nodes:
+        ports = [(node.host, node.port, "HTTP")]
+        if node.kv_port is not None:
+            ports.append((node.kv_host or node.host, node.kv_port, "KV"))
+        for host, port, what in ports:
+            other = seen.get((host, port))
+            if other is not None:
+                rep.errors.append(f"{node.name} {what} {host}:{port} is also {other}'s; give one of them another port")
+            seen[(host, port)] = f"{node.name} {what}"
+        if node.role == "prefill" and (node.kv_port or node.kv_host):
+            rep.warnings.append(f"{node.name}: kv_port/kv_host are decode settings; a prefill node only sends KV")
+    for node in s.nodes:
+        if not any(node.name in (*m.prefill, *m.decode) for m in s.models):
+            rep.warnings.append(f"node {node.name!r} serves no model: add it to a [[models]] prefill/decode list")
+
+
+def _check_models(s: Settings, config: Path, rep: Report) -> None:
+    from kv_bridge.fingerprint import kv_bytes_per_token, model_fingerprint, model_quantization
+
+    for m in s.models:
+        if m.max_model_len > s.kv.max_tokens:
+            rep.errors.append(f"model {m.id!r}: max_model_len {m.max_model_len} > kv.max_tokens {s.kv.max_tokens}; "
+                              f"raise kv.max_tokens")
+        if not m.prefill:
+            rep.warnings.append(f"model {m.id!r} has no prefill node: every prompt is prefilled on the decode node")
+        folder = resolve_model_path(m, config.resolve().parent)
+        if not (folder / "config.json").is_file():
+            rep.warnings.append(f"model {m.id!r}: no config.json at {folder} here (fine where this machine runs no "
+                                f"node of it; `disagg models prepare` builds it on the machines that do)")
+            continue
+        per_token = kv_bytes_per_token(folder)
+        need = per_token * m.max_model_len
+        if need > s.kv.max_transfer_bytes:
+            rep.errors.append(f"model {m.id!r}: a full context's KV is {need / 2**30:.1f} GiB > kv.max_transfer_bytes "
+                              f"{s.kv.max_transfer_bytes / 2**30:.1f} GiB; raise it or lower max_model_len")
+        for mach in rep.machines:
+            if m.id in mach["models"] and isinstance(mach["models"][m.id], dict):
+                mach["models"][m.id].update(fingerprint=model_fingerprint(str(folder)),
+                                            quantization=model_quantization(folder))
+
+
+def _check_prefill_memory(s: Settings, rep: Report) -> None:
+    for node in s.nodes:
+        n = sum(1 for m in s.models if node.name in m.prefill)
+        if n > 1 and n * s.prefill.gpu_memory_utilization > 1.0:
+            rep.errors.append(f"prefill node {node.name!r} runs {n} vLLM engines at gpu_memory_utilization "
+                              f"{s.prefill.gpu_memory_utilization} each ({n * s.prefill.gpu_memory_utilization:.2f} "
+                              f"of the GPU); give each model its own prefill node or lower it below {1 / n:.2f}")
+
+
+def render(rep: Report, settings: Settings) -> str:
+    """The plan as terminal tables (machines, models, how to start each), then errors and warnings."""
+    rows = [("NAME", "ROLE", "HTTP", "KV", "MODELS")]
+    for m in rep.machines:
+        kv = m["kv"] if m["role"] != "decode" else "<- " + m["kv"].split("prefill sends to ")[-1]
+        rows.append((m["name"], m["role"], m["http"].removeprefix("http://"), kv, ", ".join(m["models"]) or "-"))
+    lines = _table(rows) + ["", "MODEL / ALIASES / CONTEXT / PREFILL -> DECODE"]
+    for r in settings.models:
+        facts = next((v for mach in rep.machines for k, v in mach["models"].items()
+                      if k == r.id and isinstance(v, dict) and "fingerprint" in v), None)
+        extra = f"  fingerprint {facts['fingerprint']} ({facts['quantization']})" if facts else ""
+        lines.append(f"  {r.id}  [{', '.join(r.aliases) or 'no aliases'}]  {r.max_model_len} tokens  "
+                     f"{', '.join(r.prefill) or '(none)'} -> {', '.join(r.decode)}{extra}")
+    lines += ["", "START"] + [f"  {m['name']}: {m['run']}" for m in rep.machines]
+    lines += [f"ERROR: {e}" for e in rep.errors] + [f"warning: {w}" for w in rep.warnings]
+    lines.append("config OK" if not rep.errors else f"{len(rep.errors)} error(s)")
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def main(settings: Settings, config: Path, as_json: bool = False) -> int:
+    rep = check(settings, config)
+    print(json.dumps(rep.to_json(), indent=2) if as_json else render(rep, settings))
+    return 2 if rep.errors else 0

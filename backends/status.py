@@ -1,0 +1,177 @@
+"""`disagg status`: one table for a whole site (each node's health, fingerprint agreement, load, last error) and
+the KV link bandwidth of every prefill -> decode pair, measured with a test transfer (backends/probe.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+
+from kv_bridge.config import NodeConfig, Settings
+
+
+@dataclass
+class NodeStatus:
+    name: str
+    role: str
+    url: str
+    models: list[str]
+    up: bool = False
+    fingerprint: dict = field(default_factory=dict)
+    quantization: dict = field(default_factory=dict)
+    agreement: str = "-"  # ok | MISMATCH | - (down, or nothing to compare with)
+    batch_size: int | None = None
+    transfers: int | None = None
+    cache_bytes: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class LinkStatus:
+    model: str
+    prefill: str
+    decode: str
+    ok: bool = False
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def gbit_s(self) -> float:
+        return 8 * self.bytes / self.seconds / 1e9 if self.ok and self.seconds > 0 else 0.0
+
+
+async def _health(http: aiohttp.ClientSession, s: Settings, node: NodeConfig, headers: dict) -> NodeStatus:
+    pool = "prefill" if node.role == "prefill" else "decode"
+    st = NodeStatus(node.name, node.role, node.url, [m.id for m in s.models if node.name in getattr(m, pool)])
+    try:
+        async with http.get(node.url + "/health", headers=headers) as r:
+            body = await r.json(content_type=None)
+            if r.status != 200:
+                st.error = f"HTTP {r.status}: {(body.get('error') or {}).get('message') or body}"
+                return st
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        st.error = f"unreachable: {type(e).__name__} {e}".strip()
+        return st
+    st.up = True
+    st.fingerprint, st.quantization = body.get("fingerprint") or {}, body.get("quantization") or {}
+    st.batch_size, st.transfers, st.cache_bytes = body.get("batch_size"), body.get("transfers"), body.get("cache_bytes")
+    return st
+
+
+def agree(nodes: list[NodeStatus]) -> dict[str, str | None]:
+    """Per model: the fingerprint most up nodes report (prefill nodes break ties); each node's `agreement` is set."""
+    consensus: dict[str, str | None] = {}  # votes: a prefill node counts 1.5 so a 1-1 split sides with it
+    models = {m for n in nodes for m in n.models}
+    for mid in sorted(models):
+        votes: dict[str, int] = {}
+        for n in nodes:
+            fp = n.fingerprint.get(mid) if n.up else None
+            if fp:
+                votes[fp] = votes.get(fp, 0) + (1.5 if n.role == "prefill" else 1.0)
+        consensus[mid] = max(votes, key=votes.get) if votes else None
+    for n in nodes:
+        if not n.up:
+            continue
+        bad = [m for m in n.models if n.fingerprint.get(m) != consensus.get(m)]
+        n.agreement = "MISMATCH " + ",".join(bad) if bad else "ok"
+    return consensus
+
+
+async def _probe(http, s: Settings, mid: str, p: NodeConfig, d: NodeConfig, nbytes: int, headers: dict,
+                 timeout: float) -> LinkStatus:
+    link = LinkStatus(mid, p.name, d.name)
+    try:
+        async with http.post(d.url + "/v1/probe/expect", json={"model": mid, "bytes": nbytes}, headers=headers) as r:
+            exp = await r.json(content_type=None)
+            if r.status != 200:
+                raise RuntimeError(f"{d.name}: {(exp.get('error') or {}).get('message')}")
+        wait = asyncio.ensure_future(_result(http, d, exp["transfer_id"], headers, timeout))
+        body = {"model": mid, "transfer_id": exp["transfer_id"], "tokens": exp["tokens"], "kv_target": exp["kv_target"]}
+        async with http.post(p.url + "/v1/probe/send", json=body, headers=headers) as r:
+            sent = await r.json(content_type=None)
+            if r.status != 200:
+                wait.cancel()
+                raise RuntimeError(f"{p.name}: {(sent.get('error') or {}).get('message')}")
+        got = await wait
+        link.ok, link.bytes, link.seconds, link.error = got["ok"], got.get("bytes", 0), got.get("seconds", 0.0), \
+            got.get("error")
+    except Exception as e:  # a probe that fails is a finding to show, not a crash of the whole status
+        link.error = str(e) or type(e).__name__
+    return link
+
+
+async def _result(http, d: NodeConfig, tid: str, headers: dict, timeout: float) -> dict:
+    async with http.get(f"{d.url}/v1/probe/{tid}", params={"timeout": str(timeout)}, headers=headers) as r:
+        return await r.json()
+
+
+async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0) -> dict:
+    """Every node's status, fingerprint consensus and (when probe_bytes > 0) every up pair's KV link."""
+    token = s.auth.node_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout + 60, connect=timeout)) as http:
+        nodes = await asyncio.gather(*(_health(http, s, n, headers) for n in s.nodes))
+        consensus = agree(nodes)
+        up = {n.name for n in nodes if n.up}
+        links = []
+        if probe_bytes > 0:
+            for m in s.models:  # one pair at a time: concurrent probes would share (and halve) a link
+                for p in m.prefill:
+                    for d in m.decode:
+                        if p in up and d in up:
+                            links.append(await _probe(http, s, m.id, s.node(p), s.node(d), probe_bytes, headers,
+                                                      timeout))
+                        else:
+                            links.append(LinkStatus(m.id, p, d, error="node down"))
+    return {"nodes": nodes, "links": links, "consensus": consensus}
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def render(result: dict, color: bool = False) -> str:
+    red = (lambda t: f"\033[1;31m{t}\033[0m") if color else (lambda t: t)
+    rows = [("NODE", "ROLE", "HEALTH", "MODELS", "FINGERPRINT", "AGREE", "QUANT", "BATCH", "KV IN FLIGHT",
+             "CACHE MiB", "LAST ERROR")]
+    for n in result["nodes"]:
+        fps = ",".join(sorted(set(n.fingerprint.values()))) or "-"
+        quant = ",".join(sorted(set(n.quantization.values()))) or "-"
+        rows.append((n.name, n.role, "up" if n.up else "DOWN", ",".join(n.models), fps, n.agreement, quant,
+                     "-" if n.batch_size is None else str(n.batch_size),
+                     "-" if n.transfers is None else str(n.transfers), _mib(n.cache_bytes), (n.error or "-")[:80]))
+    lines = _table(rows, flag=lambda r: r[2] == "DOWN" or r[5].startswith("MISMATCH"), mark=red)
+    if result["links"]:
+        rows = [("MODEL", "PREFILL -> DECODE", "MiB", "SECONDS", "Gbit/s", "ERROR")]
+        for l in result["links"]:
+            rows.append((l.model, f"{l.prefill} -> {l.decode}", _mib(l.bytes) if l.ok else "-",
+                         f"{l.seconds:.3f}" if l.ok else "-", f"{l.gbit_s:.2f}" if l.ok else "FAILED",
+                         (l.error or "-")[:100]))
+        lines += [""] + _table(rows, flag=lambda r: r[4] == "FAILED", mark=red)
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple], flag, mark) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for i, r in enumerate(rows):
+        line = "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+        out.append(mark("!! " + line) if i and flag(r) else "   " + line)
+    return out
+
+
+def to_json(result: dict) -> dict:
+    return {"nodes": [asdict(n) for n in result["nodes"]], "consensus": result["consensus"],
+            "links": [{**asdict(l), "gbit_s": l.gbit_s} for l in result["links"]]}
+
+
+def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0) -> int:
+    """Exit 0 when every node is up, agrees and every link probe passed; 1 otherwise."""
+    result = asyncio.run(collect(settings, probe_bytes, timeout))
+    print(json.dumps(to_json(result), indent=2) if as_json else render(result, color=sys.stdout.isatty()))
+    healthy = all(n.up and n.agreement == "ok" for n in result["nodes"]) and all(l.ok for l in result["links"])
+    return 0 if healthy else 1

@@ -1,0 +1,156 @@
+"""docker/: the compose file, Prometheus config and rules, Grafana provisioning and dashboard, the launchd service.
+
+Prometheus files go through promtool (installed by `make test`); the compose file, which no daemon-free tool here
+validates, through PyYAML and a check of every key and path it uses; dashboard and alert queries against the
+metric names a real gateway exports on /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import plistlib
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fakes import LONG_TEXT, chat_body
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+SERVICE_KEYS = {"build", "image", "restart", "ports", "environment", "volumes", "command", "depends_on",
+                "healthcheck", "secrets", "networks", "network_mode", "user", "entrypoint"}
+HEAVY = ("torch", "vllm", "mlx")
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def promtool(*args: str) -> str:
+    exe = shutil.which("promtool")
+    assert exe, "promtool is missing: `make test` installs it (Debian package prometheus)"
+    r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_compose_services_and_paths():
+    c = compose()
+    assert set(c) <= {"name", "services", "volumes", "secrets", "networks"}
+    assert set(c["services"]) == {"gateway", "prometheus", "grafana"}
+    for name, svc in c["services"].items():
+        assert set(svc) <= SERVICE_KEYS, (name, set(svc) - SERVICE_KEYS)
+        assert "image" in svc or "build" in svc, name
+        for port in svc.get("ports", []):
+            host, _, container = port.partition(":")
+            assert 1 <= int(host) <= 65535 and 1 <= int(container) <= 65535, port
+        for dep in svc.get("depends_on", []):
+            assert dep in c["services"], (name, dep)
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):  # paths in the repo must exist; named volumes must be declared
+                assert (DOCKER / src).exists(), (name, src)
+            elif not src.startswith("/"):
+                assert src in (c.get("volumes") or {}), (name, src)
+    build = c["services"]["gateway"]["build"]
+    assert (DOCKER / build["context"] / build["dockerfile"]).is_file()
+
+
+def test_gateway_image_has_no_engine():
+    """The gateway image installs the `gateway` extra only, and that extra pulls no torch, vLLM or MLX."""
+    text = (DOCKER / "gateway.Dockerfile").read_text()
+    assert re.search(r'pip install [^\n]*"\.\[gateway\]"', text)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not [d for d in extras["gateway"] if d.split(">")[0].split("=")[0].strip().startswith(HEAVY)]
+    r = subprocess.run([sys.executable, "-c", "import sys, gateway.app; print(sorted({m.split('.')[0] for m in "
+                        "sys.modules} & {'torch', 'vllm', 'mlx'}))"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_prefill_image_on_an_official_vllm_base():
+    text = (DOCKER / "prefill.Dockerfile").read_text()
+    base = re.search(r"^ARG BASE=(\S+)", text, re.M).group(1)
+    assert base.startswith(("nvcr.io/nvidia/vllm:", "vllm/vllm-openai:")), base
+    assert 'ENTRYPOINT ["disagg", "prefill"]' in text
+
+
+def test_prometheus_config_and_rules_validate():
+    out = promtool("check", "config", str(DOCKER / "prometheus" / "prometheus.yml"))
+    assert "SUCCESS" in out
+    assert "3 rules found" in promtool("check", "rules", str(DOCKER / "prometheus" / "alerts.yml"))
+    scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    assert scrape[0]["static_configs"][0]["targets"] == ["gateway:8000"]  # the compose service name and port
+
+
+def test_grafana_provisioning():
+    ds = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
+    assert ds["url"] == "http://prometheus:9090"
+    dash = json.loads((DOCKER / "grafana/dashboards/disagg.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == ds["uid"], panel["title"]
+    titles = " ".join(p["title"] for p in dash["panels"]).lower()
+    for want in ("first token", "inter-token", "kv bytes", "kv transfer", "path mix", "fallbacks", "nodes up",
+                 "requests running"):
+        assert want in titles, want
+
+
+def queried_metrics() -> dict[str, set[str]]:
+    """Every disagg_* name a dashboard panel or an alert rule queries, with where it is used."""
+    where: dict[str, set[str]] = {}
+    dash = json.loads((DOCKER / "grafana/dashboards/disagg.json").read_text())
+    exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
+    rules = yaml.safe_load((DOCKER / "prometheus/alerts.yml").read_text())["groups"][0]["rules"]
+    exprs += [(r["alert"], r["expr"]) for r in rules]
+    for title, expr in exprs:
+        names = re.findall(r"\bdisagg_[a-z0-9_]+", expr)
+        assert names, f"{title}: queries no disagg metric: {expr}"
+        for n in names:
+            where.setdefault(n, set()).add(title)
+    return where
+
+
+def exported(text: str) -> set[str]:
+    """Sample names /metrics exports: every family from its TYPE line (also one without samples yet)."""
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
+                "gauge": ("",), "summary": ("", "_count", "_sum", "_created")}
+    names = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        base = name.removesuffix("_total") if kind == "counter" else name  # counters are typed as name_total
+        names |= {base + s for s in suffixes.get(kind, ("",))}
+    return names | set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M))
+
+
+async def test_dashboard_queries_only_exported_metrics(cluster):
+    await cluster.chat(chat_body(LONG_TEXT, max_tokens=4))  # a disaggregated request: every family has samples
+    async with cluster.http.get(f"{cluster.url}/metrics") as r:
+        have = exported(await r.text())
+    missing = {n: sorted(w) for n, w in queried_metrics().items() if n not in have}
+    assert not missing, f"queried but not exported by the gateway: {missing}"
+
+
+def test_unknown_metric_is_caught():
+    """The check above fails on a name the gateway does not export (guards the parser itself)."""
+    have = exported("# TYPE disagg_requests_total counter\n# TYPE disagg_x_seconds histogram\n")
+    assert {"disagg_requests_total", "disagg_x_seconds_bucket"} <= have
+    assert not {"disagg_requests_total_total", "disagg_requests_bogus", "disagg_x_seconds"} & have
+
+
+def test_launchd_service_runs_decode():
+    plist = plistlib.loads((DOCKER / "launchd/com.disagg.decode.plist").read_bytes())
+    args = plist["ProgramArguments"]
+    assert args[0].endswith("/disagg") and args[1] == "decode"
+    assert args[args.index("--node") + 1] == "NODE_NAME"  # docs/deploy.md: sed it to the Mac's node name
+    assert plist["RunAtLoad"] is True and plist["KeepAlive"] == {"SuccessfulExit": False}
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(DOCKER).as_posix() for p in DOCKER.rglob("*.y*ml")))
+def test_yaml_parses(path):
+    assert yaml.safe_load((DOCKER / path).read_text())
