@@ -88,8 +88,8 @@ def send_zeros(settings, spec: dict, tid: str, n: int, target: dict) -> dict:
     """Blocking: one KV stream of `n` float32 zero tokens per layer through a KVSender, as the connector sends."""
     from kv_bridge.sender import KVSender
 
-    sender = KVSender(settings.kv.queue_frames, settings.kv.connect_timeout_s, settings.auth.kv_key(),
-                      settings.auth.kv_frame_mac)
+    sender = KVSender(settings.kv.sender_bytes, settings.kv.connect_timeout_s, settings.auth.kv_key(),
+                      settings.auth.kv_frame_mac, settings.kv.send_timeout_s)
     hdr = wire.StreamHeader(transfer_id=tid, fingerprint=spec["fingerprint"], num_layers=spec["num_layers"],
                             num_kv_heads=spec["num_kv_heads"], head_dim=spec["head_dim"], dtype="float32",
                             start=0, num_tokens=n)
