@@ -1,7 +1,5 @@
-"""The gateway's aiohttp application: OpenAI routes, /health, /metrics, and the one error boundary.
-
-`create_app(settings)` builds it (tokenizers load here, so a bad model folder fails at start-up);
-`serve(settings)` runs it until interrupted.
+"""The gateway app (`create_app`, `serve`): /health, /metrics and Ollama's "/" on the root app; the OpenAI API a
+sub-app at /v1, the Ollama API one at /api; each app has its own error shape and key check (gateway.boundary).
 """
 
 from __future__ import annotations
@@ -15,12 +13,12 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kv_bridge.config import Settings, resolve_model_path
+from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 
-from . import auth, ollama
+from . import auth, boundary, ollama
+from .auth import APIKeys
 from .chat import STATE, GatewayState, chat_completions
 from .completions import completions
-from .errors import APIError
 from .metrics import Metrics
 from .nodes import NodePool
 from .orchestrator import Orchestrator
@@ -29,42 +27,6 @@ from .tokenizer import ChatTokenizer
 log = logging.getLogger("gateway")
 
 MAX_BODY_BYTES = 32 << 20  # long prompts are large JSON; aiohttp's 1 MiB default is too small
-
-
-def _error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers or None)
-
-
-def _from_http_exception(e: web.HTTPException, request: web.Request) -> APIError:
-    if e.status == 404:
-        msg, code = f"Unknown request URL: {request.method} {request.path}", "not_found"
-    elif e.status == 405:
-        msg, code = f"Method {request.method} is not allowed on {request.path}", "method_not_allowed"
-    elif e.status == 413:
-        msg, code = f"request body is larger than {MAX_BODY_BYTES} bytes", "request_too_large"
-    else:
-        msg, code = e.text or e.reason, None
-    kind = "invalid_request_error" if e.status < 500 else "server_error"
-    return APIError(msg, status=e.status, type=kind, code=code)
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """The one place errors become responses: `{"error": {"message", "type", "param", "code"}}`."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        return _error_response(e)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        resp = _error_response(_from_http_exception(e, request))
-        if "Allow" in e.headers:
-            resp.headers["Allow"] = e.headers["Allow"]
-        return resp
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(APIError("internal server error; see gateway logs"))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -120,26 +82,46 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
+def _openai_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
+    """The OpenAI API, mounted at /v1, with its own error shape and key check (gateway.boundary)."""
+    app = web.Application(middlewares=boundary.middlewares(boundary.OPENAI, keys))
+    app[STATE] = st
+    app.router.add_post("/chat/completions", chat_completions)
+    app.router.add_post("/completions", completions)
+    app.router.add_get("/models", list_models)
+    app.router.add_get("/models/{model}", get_model)
+    return app
+
+
+def _open_handlers(cfg: AuthConfig) -> set:
+    """The root routes a caller without a key may use: the liveness probes and /metrics, unless protected."""
+    out = set()
+    if not cfg.protect_health:
+        out |= {health, ollama.root}  # "/" is Ollama's liveness probe ("Ollama is running")
+    if not cfg.protect_metrics:
+        out.add(metrics)
+    return out
+
+
 def create_app(settings: Settings) -> web.Application:
     """Build the gateway app for `settings`; raises kv_bridge.config.ConfigError for a bad model folder or an
     unreadable auth file."""
     tokenizers = {m.id: ChatTokenizer.from_folder(resolve_model_path(m)) for m in settings.models}
     m = Metrics()
     state = GatewayState(settings, tokenizers, m, NodePool(settings.nodes, m, settings.gateway.health_interval_s))
-    client_auth = auth.client_auth(settings.auth)  # outermost: a caller without a key reaches nothing else
-    auth.warn_exposure(settings, has_keys=client_auth is not None)
-    middlewares = [openai_errors] if client_auth is None else [client_auth, openai_errors]
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    keys = auth.api_keys(settings.auth)
+    auth.warn_exposure(settings, has_keys=keys is not None)
+    # The root app's own errors (unknown paths too) answer in OpenAI's shape, as every non-Ollama path always did.
+    app = web.Application(middlewares=boundary.middlewares(boundary.OPENAI, keys, _open_handlers(settings.auth)),
+                          client_max_size=MAX_BODY_BYTES)  # the root app reads every body, sub-apps' too
     app[STATE] = state
     app[auth.NODE_HEADERS] = auth.node_headers(settings.auth)
     app.cleanup_ctx.append(_lifecycle)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    ollama.add_routes(app)
+    app.router.add_get("/", ollama.root)  # Ollama's liveness probe; add_get answers HEAD too
+    app.add_subapp("/v1", _openai_app(state, keys))
+    app.add_subapp("/api", ollama.api_app(state, keys))
     return app
 
 

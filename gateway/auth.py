@@ -2,7 +2,7 @@
 
 No keys configured: the gateway is open, as it always was. With keys, every route needs
 `Authorization: Bearer <key>` except /health and / (unless auth.protect_health) and /metrics (unless
-auth.protect_metrics); a caller without a valid key gets 401 in its API's error shape.
+auth.protect_metrics); gateway.boundary checks it on each app and answers 401 in that app's error shape.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kv_bridge.config import AuthConfig, Settings, is_loopback
 
-from .errors import APIError, is_ollama_path
+from .errors import APIError
 
 log = logging.getLogger("gateway.auth")
 
@@ -53,45 +53,24 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode(errors="replace")).digest()
 
 
-def _unauthorized(request: web.Request, problem: str) -> web.Response:
+def refusal(problem: str) -> AuthenticationError:
+    """The 401 for a "missing" or "invalid" key; each API's error middleware writes it in that API's shape."""
     if problem == "missing":
-        err = AuthenticationError("Missing API key: send it in an Authorization header using Bearer auth "
-                                  "(Authorization: Bearer YOUR_KEY)")
+        msg = "Missing API key: send it in an Authorization header using Bearer auth (Authorization: Bearer YOUR_KEY)"
     else:
-        err = AuthenticationError("Incorrect API key provided")  # never echoed: it may be another service's key
-    body = {"error": f"unauthorized: {err.message}"} if is_ollama_path(request.path) else err.body()
-    resp = web.json_response(body, status=401)
+        msg = "Incorrect API key provided"  # never echoed: it may be another service's key
     # RFC 6750: a request that carried a token learns it was invalid; one that carried none learns the scheme
-    resp.headers["WWW-Authenticate"] = 'Bearer realm="disagg"' + ("" if problem == "missing" else
-                                                                   ', error="invalid_token"')
-    return resp
+    challenge = 'Bearer realm="disagg"' + ("" if problem == "missing" else ', error="invalid_token"')
+    return AuthenticationError(msg, headers={"WWW-Authenticate": challenge})
 
 
-def client_auth(cfg: AuthConfig):
-    """The middleware that demands an API key, or None when no key is configured (the gateway is open).
+def api_keys(cfg: AuthConfig) -> APIKeys | None:
+    """The client keys to demand, or None when none is configured (the gateway is open).
 
     Raises kv_bridge.config.ConfigError for an unreadable api_keys_file, so a bad set-up fails at start-up.
     """
     keys = cfg.client_keys()
-    if not keys:
-        return None
-    checker = APIKeys(keys)
-    open_paths = set()
-    if not cfg.protect_health:
-        open_paths |= {"/health", "/"}  # "/" is Ollama's liveness probe ("Ollama is running")
-    if not cfg.protect_metrics:
-        open_paths.add("/metrics")
-
-    @web.middleware
-    async def require_api_key(request: web.Request, handler) -> web.StreamResponse:
-        if request.path in open_paths:
-            return await handler(request)
-        problem = checker.check(request.headers.get("Authorization"))
-        if problem is not None:
-            return _unauthorized(request, problem)
-        return await handler(request)
-
-    return require_api_key
+    return APIKeys(keys) if keys else None
 
 
 def node_headers(cfg: AuthConfig) -> dict[str, str]:

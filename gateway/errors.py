@@ -1,6 +1,6 @@
 """The gateway's one exception tree.
 
-Everything a handler raises is an `APIError`; the middleware in gateway.app turns it into OpenAI error JSON.
+Everything a handler raises is an `APIError`; each app's middleware (gateway.boundary) writes it in its API's shape.
 """
 
 from __future__ import annotations
@@ -111,7 +111,3 @@ def status_class(status: int) -> str:
     """Metric label for an HTTP status: '4xx' or '5xx' keeps `disagg_requests_total` bounded."""
     return f"{status // 100}xx"
 
-
-def is_ollama_path(path: str) -> bool:
-    """Paths of the Ollama API, which answer errors as `{"error": "..."}`; every other path answers OpenAI's shape."""
-    return path == "/" or path == "/api" or path.startswith("/api/")

@@ -1,13 +1,12 @@
 """The gateway as an Ollama drop-in: /, /api/version, /api/tags, /api/show, /api/ps, /api/generate, /api/chat.
 
-`add_routes(app)` registers them and an error middleware that answers Ollama paths with `{"error": "..."}`.
+`api_app` is the /api sub-app (errors as `{"error": "..."}`, gateway.boundary); `root` is served by the gateway app.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import struct
 import time
@@ -20,14 +19,14 @@ from aiohttp import web
 
 from kv_bridge.config import ModelRoute, resolve_model_path
 
-from .errors import APIError, InvalidRequest, NoHealthyNode, is_ollama_path
+from . import boundary
+from .auth import APIKeys
+from .errors import APIError, InvalidRequest, NoHealthyNode
 from .metrics import RequestRecord
 from .ollama_schemas import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
 from .relay import Framing, ndjson
 from .serving import STATE, GatewayState, endpoint, run
 from .upstream import Prompt
-
-log = logging.getLogger("gateway.ollama")
 
 # Plain semver: clients compare it, and a pre-release suffix ("-disagg") would sort below the release.
 VERSION = "0.9.0"
@@ -142,39 +141,6 @@ def build_card(route: ModelRoute) -> ModelCard:
         modified_at=_rfc3339(max((p.stat().st_mtime for p in files), default=time.time())), details=details,
         model_info=_model_info(cfg, params), template=_template_text(folder), vocab_size=cfg.get("vocab_size"),
     )
-
-
-# ---- the error boundary for Ollama paths ----
-
-def _error(message: str, status: int, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers or None)
-
-
-@web.middleware
-async def ollama_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Ollama clients read `{"error": "..."}`; it runs inside the OpenAI middleware, so it sees errors first."""
-    if not is_ollama_path(request.path):
-        return await handler(request)
-    try:
-        return await handler(request)
-    except APIError as e:
-        return _error(e.message, 500 if e.status == 502 else e.status, e.headers)  # Ollama: node failures are 500
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        if e.status == 404:
-            msg = f"{request.method} {request.path} is not an Ollama API endpoint"
-        elif e.status == 405:
-            msg = f"method {request.method} is not allowed on {request.path}"
-        else:
-            msg = e.text or e.reason
-        resp = _error(msg, e.status)
-        if "Allow" in e.headers:
-            resp.headers["Allow"] = e.headers["Allow"]
-        return resp
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error("internal server error; see gateway logs", 500)
 
 
 # ---- model endpoints ----
@@ -310,16 +276,17 @@ class OllamaFraming(Framing):
         return [{"error": err.message}]  # Ollama's mid-stream failure: a last line with "error"
 
 
-def add_routes(app: web.Application) -> None:
-    """Register the Ollama API on the gateway app (after app[STATE] is set) and its error middleware."""
-    st = app[STATE]
+def api_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
+    """The Ollama API, mounted at /api, with its own error shape and key check (gateway.boundary). Ollama's root
+    route (`root`, "Ollama is running") lives on the gateway app: aiohttp mounts no sub-app at "/"."""
+    app = web.Application(middlewares=boundary.middlewares(boundary.OLLAMA, keys))
+    app[STATE] = st
     app[CARDS] = {m.id: build_card(m) for m in st.settings.models}
-    app.middlewares.append(ollama_errors)
     r = app.router
-    r.add_get("/", root)  # add_get answers HEAD too
-    r.add_get("/api/version", version)
-    r.add_get("/api/tags", tags)
-    r.add_get("/api/ps", ps)
-    r.add_post("/api/show", show)
-    r.add_post("/api/generate", generate)
-    r.add_post("/api/chat", chat)
+    r.add_get("/version", version)
+    r.add_get("/tags", tags)
+    r.add_get("/ps", ps)
+    r.add_post("/show", show)
+    r.add_post("/generate", generate)
+    r.add_post("/chat", chat)
+    return app

@@ -93,6 +93,26 @@ async def test_ollama_routes_answer_401_in_ollama_shape(keyed, path, method):
         assert headers["WWW-Authenticate"].startswith('Bearer realm="disagg"')
 
 
+@pytest.mark.parametrize("path,ollama_shape", [("/nope", False), ("/v1", False), ("/v1/models/a/b", False),
+                                               ("/api", True), ("/api/pull", True)])
+async def test_unknown_routes_answer_401_before_404_in_their_apis_shape(keyed, path, ollama_shape):
+    status, headers, body = await get(keyed, path)
+    assert status == 401 and headers["WWW-Authenticate"] == 'Bearer realm="disagg"'
+    if ollama_shape:
+        assert list(body) == ["error"] and body["error"].startswith("unauthorized: Missing API key")
+    else:
+        assert body["error"]["code"] == "invalid_api_key"
+    status, _, body = await get(keyed, path, key=KEYS[0])
+    assert status == 404 and isinstance(body["error"], str) == ollama_shape
+
+
+async def test_an_open_route_with_another_method_needs_a_key(keyed):
+    """Open is a route's handler, not its path: POST /health is refused before it is found not allowed."""
+    assert (await post(keyed, "/health", {}))[0] == 401
+    status, headers, body = await post(keyed, "/health", {}, key=KEYS[0])
+    assert status == 405 and body["error"]["code"] == "method_not_allowed" and "GET" in headers["Allow"]
+
+
 async def test_every_configured_key_works(keyed):
     for key in KEYS:
         status, _, body = await post(keyed, "/v1/chat/completions", chat_body(temperature=0), key=key)

@@ -122,6 +122,20 @@ async def test_unknown_route_and_method(cluster):
     async with cluster.http.get(f"{cluster.url}/v1/chat/completions") as r:
         assert_error(r.status, await r.json(), 405, code="method_not_allowed")
 
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/v1", 404), ("GET", "/v1/", 404), ("GET", "/v1/models/a/b", 404), ("DELETE", "/v1/models", 405),
+    ("GET", "/nope", 404), ("POST", "/health", 405), ("PUT", "/metrics", 405), ("POST", "/", 405),
+])
+async def test_outside_ollama_api_unknown_paths_and_methods_are_openai_errors(cluster, method, path, status):
+    """The OpenAI sub-app (/v1) and the gateway's root app (/health, /metrics, "/") answer in OpenAI's shape."""
+    async with cluster.http.request(method, cluster.url + path) as r:
+        err = assert_error(r.status, await r.json(), status, code="not_found" if status == 404 else
+                           "method_not_allowed")
+        assert path in err["message"] and method in err["message"]
+        if status == 405:
+            assert "GET" in r.headers["Allow"]
+
+
 async def test_null_content_renders_empty(cluster):
     status, _, body = await cluster.chat({"model": MODEL_ID, "messages": [{"role": "user", "content": None}]})
     assert status == 200, body

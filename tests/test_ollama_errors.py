@@ -99,6 +99,17 @@ async def test_unknown_endpoint_and_method(cluster):
     assert status == 404 and isinstance(body["error"], dict)
 
 
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/api", 404), ("GET", "/api/", 404), ("POST", "/api/version/x", 404), ("DELETE", "/api/tags", 405),
+    ("GET", "/api/chat", 405), ("PUT", "/api/show", 405),
+])
+async def test_everything_under_api_answers_in_ollama_shape(cluster, method, path, status):
+    status_got, headers, body = await send(cluster, method, path)
+    assert_error(status_got, body, status, path if status == 404 else method)
+    if status == 405:
+        assert headers["Allow"]
+
+
 async def test_no_healthy_decode_node_is_503(cluster):
     cluster.decode.down = True
 

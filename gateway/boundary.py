@@ -1,0 +1,123 @@
+"""Each aiohttp (sub-)app's boundary: the API-key check and the one place errors become responses, in its API's
+shape (OpenAI: `{"error": {"message", "type", "param", "code"}}`; Ollama: `{"error": "..."}`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Collection
+
+from aiohttp import web
+
+from .auth import APIKeys, refusal
+from .errors import APIError
+
+log = logging.getLogger("gateway")
+
+_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def mine(request: web.Request) -> bool:
+    """True when the app whose middleware runs is the one that resolved `request` (not one of its sub-apps).
+
+    An app's middlewares also wrap its sub-apps' requests; those belong to the sub-app's own middlewares.
+    """
+    return request.match_info.apps[-1] is request.app
+
+
+class ErrorShape:
+    """How one API writes an error: `body` and `status` of an APIError, and what aiohttp's 404/405 say."""
+
+    def body(self, err: APIError) -> dict:
+        raise NotImplementedError
+
+    def status(self, err: APIError) -> int:
+        return err.status
+
+    def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
+        raise NotImplementedError
+
+    def response(self, err: APIError) -> web.Response:
+        return web.json_response(self.body(err), status=self.status(err), headers=err.headers or None)
+
+
+class OpenAIShape(ErrorShape):
+    def body(self, err: APIError) -> dict:
+        return err.body()
+
+    def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
+        if e.status == 404:
+            msg = f"Unknown request URL: {request.method} {request.path}"
+        elif e.status == 405:
+            msg = f"Method {request.method} is not allowed on {request.path}"
+        else:
+            msg = e.text or e.reason
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return APIError(msg, status=e.status, type=kind, code=_CODES.get(e.status))
+
+
+class OllamaShape(ErrorShape):
+    def body(self, err: APIError) -> dict:
+        return {"error": f"unauthorized: {err.message}" if err.status == 401 else err.message}
+
+    def status(self, err: APIError) -> int:
+        return 500 if err.status == 502 else err.status  # Ollama: a node's failure is a 500
+
+    def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
+        if e.status == 404:
+            msg = f"{request.method} {request.path} is not an Ollama API endpoint"
+        elif e.status == 405:
+            msg = f"method {request.method} is not allowed on {request.path}"
+        else:
+            msg = e.text or e.reason
+        return APIError(msg, status=e.status)
+
+
+OPENAI, OLLAMA = OpenAIShape(), OllamaShape()
+
+
+def error_middleware(shape: ErrorShape):
+    """Everything a handler of this app raises (APIError, aiohttp's 404/405, a bug) answered in `shape`; a sub-app's
+    own error middleware answers first, so its errors keep the sub-app's shape."""
+
+    @web.middleware
+    async def api_errors(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return shape.response(e)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            resp = shape.response(shape.from_http(e, request))
+            if "Allow" in e.headers:
+                resp.headers["Allow"] = e.headers["Allow"]
+            return resp
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return shape.response(APIError("internal server error; see gateway logs"))
+
+    return api_errors
+
+
+def key_middleware(keys: APIKeys, open_handlers: Collection = ()):
+    """A valid API key on every request of this app but those `open_handlers` answer: 401 before 404."""
+    open_handlers = frozenset(open_handlers)
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler) -> web.StreamResponse:
+        if mine(request) and request.match_info.handler not in open_handlers:
+            problem = keys.check(request.headers.get("Authorization"))
+            if problem is not None:
+                raise refusal(problem)  # the error middleware, outside this one, writes it in the API's shape
+        return await handler(request)
+
+    return require_api_key
+
+
+def middlewares(shape: ErrorShape, keys: APIKeys | None, open_handlers: Collection = ()) -> list:
+    """An app's boundary: its errors in `shape`, and (with keys configured) a key on every request of the app but
+    those `open_handlers` answer; a refused caller gets the 401 in `shape` too."""
+    if keys is None:
+        return [error_middleware(shape)]
+    return [error_middleware(shape), key_middleware(keys, open_handlers)]
