@@ -9,7 +9,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -47,9 +46,7 @@ def test_prepare_builds_a_folder_that_passes_check(prepared):
 
 def test_second_prepare_is_a_noop(prepared):
     before = _mtimes(prepared)
-    t0 = time.monotonic()
     assert prepare(prepared, MODEL_ID) == prepared
-    assert time.monotonic() - t0 < 2.0
     assert _mtimes(prepared) == before
 
 
