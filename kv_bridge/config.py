@@ -150,7 +150,9 @@ class PrefillConfig(BaseModel):
 
 
 class DecodeConfig(BaseModel):
-    kv_timeout_s: float = Field(default=30.0, gt=0, description="wait this long for KV, then prefill locally")
+    kv_timeout_s: float = Field(default=30.0, gt=0, description="no KV progress (since the generation "
+                              "was accepted, the HEADER or the last frame) for this long: prefill locally. The gateway "
+                              "opens a generation only once its prefill node admitted it, so queueing does not count")
     kv_bits: int | None = Field(
         default=None, description="4 or 8: quantize decode KV caches (mlx-lm QuantizedKVCache), bridged and local alike")
     kv_group_size: int = Field(default=64, description="32, 64 or 128")

@@ -109,6 +109,7 @@ class Transfer:
         self._keys = self._values = self._filled = self._hdr = None
         self._t0 = 0.0
         self._bytes = 0
+        self.progress_at = time.monotonic()  # registered, HEADER, each frame: what the no-progress deadline counts from
 
     def check_header(self, hdr: wire.StreamHeader) -> None:
         mine = (self.spec["fingerprint"], self.spec["num_layers"], self.spec["num_kv_heads"], self.spec["head_dim"])
@@ -137,6 +138,7 @@ class Transfer:
         self._filled = np.zeros((hdr.num_layers, hdr.num_tokens), dtype=bool)
         self._hdr = hdr
         self._t0 = time.perf_counter()
+        self.progress_at = time.monotonic()
 
     def add(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """One frame; `start` is the absolute token position (wire.parse_kv checked it lies in the stream's range)."""
@@ -147,6 +149,7 @@ class Transfer:
         self._values[layer, :, i:i + n] = v
         self._filled[layer, i:i + n] = True
         self._bytes += self._hdr.kv_bytes(n)  # bytes as they crossed the network
+        self.progress_at = time.monotonic()
 
     def views(self, layer: int, start: int, count: int) -> list[memoryview]:
         """Where a float32 frame's payload goes, in wire order: K (count, D) for each head, then V likewise, each a
@@ -162,6 +165,7 @@ class Transfer:
     def received(self, count: int) -> None:
         """A frame received in place (views()) passed its checks: count its bytes."""
         self._bytes += self._hdr.kv_bytes(count)
+        self.progress_at = time.monotonic()
 
     def finish(self) -> None:
         if not self._filled.all():
@@ -181,12 +185,19 @@ class Transfer:
         if not self.future.done():
             self.future.set_result(kv)
 
-    async def result(self, timeout: float) -> ReceivedKV:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.future), timeout)
-        except asyncio.TimeoutError:
-            self.fail("kv_timeout", f"no complete KV within {timeout:.1f}s")
-            raise TransferError("kv_timeout", f"no complete KV within {timeout:.1f}s") from None
+    async def result(self, idle_timeout: float) -> ReceivedKV:
+        """The KV, waiting as long as it makes progress: it fails (kv_timeout) only after `idle_timeout` seconds with
+        nothing new (since registration, the HEADER or the last frame), never because a long live stream is slow."""
+        while True:
+            left = self.progress_at + idle_timeout - time.monotonic()
+            try:
+                return await asyncio.wait_for(asyncio.shield(self.future), max(left, 0.0))
+            except asyncio.TimeoutError:
+                if time.monotonic() - self.progress_at < idle_timeout:
+                    continue  # a frame landed meanwhile: the deadline moved
+                msg = f"no KV progress for {idle_timeout:.1f}s"
+                self.fail("kv_timeout", msg)
+                raise TransferError("kv_timeout", msg) from None
 
 
 class KVCapacityError(RuntimeError):
