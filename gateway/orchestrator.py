@@ -1,5 +1,6 @@
-"""One generation across nodes, per docs/protocol.md: open the decode stream, then (disaggregated path) ask a
-prefill node to push KV for prompt[kv_start:-1] to the decode node (which holds the KV of the first kv_start
+"""One generation across nodes, per docs/protocol.md and docs/routing.md: choose the path by predicted time to first
+token (gateway/rates.py), wait for the prefill node's admission (gateway/admission.py), open the decode stream, then
+(disaggregated path) ask a prefill node to push KV for prompt[kv_start:-1] to the decode node (which holds the KV of the first kv_start
 tokens already; none to push when that is all of them); abort the transfer if prefill fails. `Choices` runs
 n such generations of one prompt concurrently and merges their streams.
 
