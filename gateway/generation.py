@@ -42,8 +42,8 @@ class PrefillRoute:
     for (cost model) or None, `admit(node, tokens)` its admission ticket (may queue; RateLimited past the queue)."""
 
     def __init__(self, choose: Callable[[list[str]], NodeState | None],
-                 admit: Callable[[NodeState, int], Awaitable[Ticket]]) -> None:
-        self.choose, self.admit = choose, admit
+                 admit: Callable[[NodeState, int], Awaitable[Ticket]], stall_s: float = float("inf")) -> None:
+        self.choose, self.admit, self.stall_s = choose, admit, stall_s
 
 
 def _new_request_id() -> str:
@@ -246,20 +246,38 @@ class Generation:
         during the call fails it at once: its KV is not coming, and local prefill must not wait for a timeout."""
         node.inflight += 1
         call = asyncio.create_task(self._prefill_call(node))
+        started = time.monotonic()
         try:
             while True:
                 finished, _ = await asyncio.wait({call}, timeout=_DOWN_CHECK_S)
                 if finished:
                     return call.result()
-                if not node.up:
-                    self._metrics.prefill_failures.labels(node.name, "node_down").inc()
-                    return f"prefill node {node.name} was marked down ({node.reason})", False
+                why = self._stopped(node, started)
+                if why is not None:
+                    kind, failure = why
+                    self._metrics.prefill_failures.labels(node.name, kind).inc()
+                    return failure, False
         finally:
             node.inflight -= 1
             if not call.done():
                 call.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await call
+
+    def _stopped(self, node: NodeState, started: float) -> tuple[str, str] | None:
+        """(kind, message) when a running prefill call's KV is not coming: its node was marked down, or it answered no
+        call at all for `stall_s` beyond this prompt's own predicted time (live work ahead of it would have answered);
+        None while it may still come."""
+        if not node.up:
+            return "node_down", f"prefill node {node.name} was marked down ({node.reason})"
+        if self._reroute is None or self._rates is None:
+            return None
+        own = (len(self.prompt) - 1 - self.kv_start) / self._rates.prefill_rate(node.name).value
+        last = self._rates.last_answer(node.name)
+        quiet = time.monotonic() - max(started, last or started)
+        if quiet > self._reroute.stall_s + own:
+            return "stalled", f"prefill node {node.name} answered no prefill call for {quiet:.0f}s"
+        return None
 
     async def _prefill_call(self, node: NodeState) -> tuple[str | None, bool]:
         payload = {

@@ -52,6 +52,7 @@ class Orchestrator:
         self.client = NodeClient(session, pool, settings.gateway.request_timeout_s)
         gw = settings.gateway
         self.retry_after_s, self.affinity_slack = gw.retry_after_s, gw.affinity_slack
+        self.prefill_stall_s = gw.prefill_stall_s
         self.affinity = PrefixAffinity(gw.affinity_entries, gw.affinity_block_tokens)
         self.inflight: dict[str, int] = {}  # generations per model, decode and upstream alike
         self.rates = Rates(gw.rates)
@@ -163,7 +164,7 @@ class Orchestrator:
         self.metrics.path_choice.labels(route.id, "disaggregated" if prefill else "local").inc()
         ticket = None if prefill is None else await self._admit(route, prefill, len(prompt) - 1)
         reroute = PrefillRoute(lambda tried: self.choose_prefill(route, prompt, decode, tried),
-                               lambda node, tokens: self._admit(route, node, tokens))
+                               lambda node, tokens: self._admit(route, node, tokens), self.prefill_stall_s)
         lease = self._lease(route, decode, prefix, 0 if prefill else len(prompt))
         return Generation(self.client, lease, route, decode, prefill, prompt, fallbacks, ticket=ticket,
                           rates=self.rates, reroute=reroute)

@@ -95,6 +95,10 @@ class Rates:
         self._busy_until[node] = max(now, self._busy_until.get(node, now))
         self.observe_prefill(node, tokens, now - since)
 
+    def last_answer(self, node: str) -> float | None:
+        """When (monotonic) `node`'s last prefill call answered 200, or None before the first."""
+        return self._busy_until.get(node)
+
     def observe_kv_size(self, model: str, tokens: int, nbytes: int) -> None:
         if tokens > 0 and nbytes > 0:
             self.kv_bytes_per_token[model] = nbytes / tokens

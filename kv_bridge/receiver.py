@@ -185,19 +185,22 @@ class Transfer:
         if not self.future.done():
             self.future.set_result(kv)
 
-    async def result(self, idle_timeout: float) -> ReceivedKV:
+    async def result(self, idle_timeout: float, header_timeout: float | None = None) -> ReceivedKV:
         """The KV, waiting as long as it makes progress: it fails (kv_timeout) only after `idle_timeout` seconds with
-        nothing new (since registration, the HEADER or the last frame), never because a long live stream is slow."""
+        nothing new (the HEADER, the last frame), never because a long live stream is slow. Before the HEADER the
+        limit is `header_timeout` (default: idle_timeout): the prefill may be queued behind live work, which only the
+        gateway sees, and the gateway aborts the transfer when that prefill fails (docs/routing.md)."""
         while True:
-            left = self.progress_at + idle_timeout - time.monotonic()
-            try:
-                return await asyncio.wait_for(asyncio.shield(self.future), max(left, 0.0))
-            except asyncio.TimeoutError:
-                if time.monotonic() - self.progress_at < idle_timeout:
-                    continue  # a frame landed meanwhile: the deadline moved
-                msg = f"no KV progress for {idle_timeout:.1f}s"
+            limit = header_timeout if self._hdr is None and header_timeout is not None else idle_timeout
+            left = self.progress_at + limit - time.monotonic()
+            if left <= 0:
+                msg = f"no KV progress for {limit:.1f}s" + (" (no HEADER)" if self._hdr is None else "")
                 self.fail("kv_timeout", msg)
-                raise TransferError("kv_timeout", msg) from None
+                raise TransferError("kv_timeout", msg)
+            try:  # woken every second: a HEADER that arrived switches the limit
+                return await asyncio.wait_for(asyncio.shield(self.future), min(left, 1.0))
+            except asyncio.TimeoutError:
+                continue
 
 
 class KVCapacityError(RuntimeError):

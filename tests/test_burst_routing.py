@@ -146,3 +146,28 @@ async def test_refused_prefill_still_falls_back_at_once(empty_config):
         assert await c.metric("disagg_prefill_failures_total", node="prefill-0", kind="refused") == 1
     finally:
         await c.stop()
+
+
+async def test_kv_wait_before_the_header_is_the_gateways_call():
+    """Before the HEADER the prefill may be queued behind live work: only header_timeout bounds the wait there."""
+    t = Transfer("t2", 8, SPEC, KVConfig())
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(t.result(0.2, header_timeout=30.0), 0.8)  # well past the idle deadline: still waiting
+    t = Transfer("t3", 8, SPEC, KVConfig())
+    with pytest.raises(TransferError, match="no HEADER"):
+        await t.result(0.2, header_timeout=0.4)
+
+
+async def test_stalled_prefill_node_falls_back_without_waiting_for_the_decode_deadline(empty_config):
+    """A prefill node that stays healthy but answers nothing: after prefill_stall_s (plus the prompt's own predicted
+    time) the gateway aborts the transfer; the failure metric says `stalled`."""
+    c = await Cluster(gateway={"prefill_stall_s": 0.5}).start()
+    try:
+        c.decode.kv_timeout_s = 60.0
+        c.prefill.fail = "hang"
+        status, headers, _ = await asyncio.wait_for(c.chat(body()), 10)
+        assert (status, headers["x-disagg-path"]) == (200, "fallback")
+        assert headers["x-disagg-fallbacks"] == "prefill_node_failed,kv_aborted"
+        assert await c.metric("disagg_prefill_failures_total", node="prefill-0", kind="stalled") == 1
+    finally:
+        await c.stop()
