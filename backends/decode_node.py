@@ -139,7 +139,8 @@ class DecodeService:
         if transfer is None:
             return None, none
         try:
-            kv = await transfer.result(self.settings.decode.kv_timeout_s)
+            d = self.settings.decode
+            kv = await transfer.result(d.kv_timeout_s, d.kv_header_timeout_s)
         except TransferError as e:
             log.warning("transfer %s: %s; prefilling locally", transfer.transfer_id, e)
             return None, replace(none, fallback_reason=e.reason)

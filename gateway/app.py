@@ -54,6 +54,8 @@ async def health(request: web.Request) -> web.Response:
         for m in st.settings.models
     ]
     body = {"status": "ok" if serving else "unavailable", "nodes": st.pool.snapshot(), "models": models}
+    if st.orchestrator is not None:  # learned rates and prefill admission (docs/routing.md)
+        body.update(st.orchestrator.snapshot())
     return web.json_response(body, status=200 if serving else 503)
 
 

@@ -12,16 +12,18 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 
 from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import DoneLine, Fallback, Path, ProtocolError, Sampling, TokenLine
 
-from .errors import InvalidRequest, NodeBusy, NodeUnavailable, UpstreamError
+from .errors import InvalidRequest, NodeBusy, NodeUnavailable, RateLimited, UpstreamError
 from .node_client import NodeClient, error_text
+from .admission import Ticket
 from .nodes import Lease, NodeState
+from .rates import Rates
 
 log = logging.getLogger("gateway.orchestrator")
 
@@ -29,6 +31,19 @@ log = logging.getLogger("gateway.orchestrator")
 PREFILL_GRACE_S = 2.0
 # A decode node answers `accepted` as soon as it parsed the request; one that does not within this is skipped.
 _ACCEPT_TIMEOUT_S = 10.0
+# While a prefill call runs, how often to look whether health checks marked its node down (then abort at once).
+_DOWN_CHECK_S = 0.5
+# Local prefills shorter than this say more about per-request overhead than about the node's prefill rate.
+_MIN_LOCAL_SAMPLE = 32
+
+
+class PrefillRoute:
+    """What a generation needs to find and enter a prefill node, as values: `choose(exclude)` the node worth waiting
+    for (cost model) or None, `admit(node, tokens)` its admission ticket (may queue; RateLimited past the queue)."""
+
+    def __init__(self, choose: Callable[[list[str]], NodeState | None],
+                 admit: Callable[[NodeState, int], Awaitable[Ticket]], stall_s: float = float("inf")) -> None:
+        self.choose, self.admit, self.stall_s = choose, admit, stall_s
 
 
 def _new_request_id() -> str:
@@ -40,8 +55,11 @@ class Generation:
     releases the `lease` the orchestrator took for it."""
 
     def __init__(self, client: NodeClient, lease: Lease, route: ModelRoute, decode: NodeState,
-                 prefill: NodeState | None, prompt: list[int], fallbacks: list[str] | None = None) -> None:
+                 prefill: NodeState | None, prompt: list[int], fallbacks: list[str] | None = None, *,
+                 ticket: Ticket | None = None, rates: Rates | None = None,
+                 reroute: PrefillRoute | None = None) -> None:
         self._client, self._lease, self._metrics = client, lease, client.pool.metrics
+        self._ticket, self._rates, self._reroute = ticket, rates, reroute  # admission to `prefill`; learned rates
         self.route, self.decode, self.prefill, self.prompt = route, decode, prefill, prompt
         self.fallbacks = list(fallbacks or [])  # reasons, in the order they happened
         self.request_id = _new_request_id()
@@ -153,6 +171,7 @@ class Generation:
                 yield self._parse(TokenLine, msg)
             elif kind == "done":
                 self.done = self._parse(DoneLine, msg)
+                self._learn(self.done)
                 if self.done.fallback_reason:
                     self.fallbacks.append(self.done.fallback_reason)
                     self._metrics.fallback(self.route.id, self.done.fallback_reason)
@@ -160,6 +179,18 @@ class Generation:
             elif kind == "error":
                 raise UpstreamError(f"decode node {self.decode.name} failed: {msg.get('message')}")
             # Unknown line types are skipped so nodes can add fields without breaking older gateways.
+
+    def _learn(self, d: DoneLine) -> None:
+        """The done line's timings feed the learned rates: link bytes/s and KV size from a transfer, the decode
+        node's local prefill tokens/s from a prompt it computed itself."""
+        if self._rates is None:
+            return
+        if d.kv_tokens > 0 and d.kv_bytes > 0:
+            self._rates.observe_kv_size(self.route.id, d.kv_tokens, d.kv_bytes)
+            if self.prefill is not None:
+                self._rates.observe_link(self.prefill.name, self.decode.name, d.kv_bytes, d.kv_transfer_s)
+        elif d.computed_tokens >= _MIN_LOCAL_SAMPLE and d.ttft_s > 0:
+            self._rates.observe_local(self.decode.name, d.computed_tokens, d.ttft_s)
 
     def _parse(self, kind, msg: dict):
         """A protocol line (TokenLine or DoneLine); a malformed one fails the stream like a broken node."""
@@ -170,51 +201,113 @@ class Generation:
 
     async def _run_prefill(self, node: NodeState | None) -> None:
         """Prefill on `node`; one that could not start the work (unreachable, 503) hands over to another prefill node
-        of the pool. When none succeeds, abort the transfer: the decode node then prefills locally."""
+        when the cost model still prefers waiting for one. When none succeeds, abort the transfer at once: the decode
+        node then prefills locally."""
         t0, tried = time.monotonic(), []
         try:
             while node is not None:
                 self.prefill = node
                 failure, retry = await self._prefill_once(node)
+                self._release_ticket()
                 if failure is None:
                     return
                 tried.append(node.name)
                 self.fallbacks.append(Fallback.PREFILL_NODE_FAILED)
                 self._metrics.fallback(self.route.id, Fallback.PREFILL_NODE_FAILED)
-                node = self._client.pool.pick(self.route.prefill, exclude=tried) if retry else None
+                node = await self._next_prefill(tried) if retry else None
                 log.warning("prefill %s on %s failed (%s); %s", self.request_id, tried[-1], failure,
                             f"trying prefill node {node.name}" if node else "aborting the KV transfer")
             await self._client.abort_transfer(self.decode, self.request_id)
         finally:
+            self._release_ticket()
             self.prefill_ms = (time.monotonic() - t0) * 1000.0
+
+    async def _next_prefill(self, tried: list[str]) -> NodeState | None:
+        """Another prefill node worth waiting for (admitted), or None: prefill locally."""
+        if self._reroute is None:
+            return self._client.pool.pick(self.route.prefill, exclude=tried)
+        node = self._reroute.choose(tried)
+        if node is None:
+            return None
+        try:
+            self._ticket = await self._reroute.admit(node, len(self.prompt) - 1 - self.kv_start)
+        except RateLimited:  # its queue is full too: local prefill now beats a 429 for a request already running
+            return None
+        return node
+
+    def _release_ticket(self) -> None:
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None:
+            ticket.release()
 
     async def _prefill_once(self, node: NodeState) -> tuple[str | None, bool]:
         """(failure or None, whether another node may retry). A retry is safe only when this node never started:
-        no KV reached the decode node, whose transfer is still waiting untouched."""
+        no KV reached the decode node, whose transfer is still waiting untouched. A node that health checks mark down
+        during the call fails it at once: its KV is not coming, and local prefill must not wait for a timeout."""
+        node.inflight += 1
+        call = asyncio.create_task(self._prefill_call(node))
+        started = time.monotonic()
+        try:
+            while True:
+                finished, _ = await asyncio.wait({call}, timeout=_DOWN_CHECK_S)
+                if finished:
+                    return call.result()
+                why = self._stopped(node, started)
+                if why is not None:
+                    kind, failure = why
+                    self._metrics.prefill_failures.labels(node.name, kind).inc()
+                    return failure, False
+        finally:
+            node.inflight -= 1
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await call
+
+    def _stopped(self, node: NodeState, started: float) -> tuple[str, str] | None:
+        """(kind, message) when a running prefill call's KV is not coming: its node was marked down, or it answered no
+        call at all for `stall_s` beyond this prompt's own predicted time (live work ahead of it would have answered);
+        None while it may still come."""
+        if not node.up:
+            return "node_down", f"prefill node {node.name} was marked down ({node.reason})"
+        if self._reroute is None or self._rates is None:
+            return None
+        own = (len(self.prompt) - 1 - self.kv_start) / self._rates.prefill_rate(node.name).value
+        last = self._rates.last_answer(node.name)
+        quiet = time.monotonic() - max(started, last or started)
+        if quiet > self._reroute.stall_s + own:
+            return "stalled", f"prefill node {node.name} answered no prefill call for {quiet:.0f}s"
+        return None
+
+    async def _prefill_call(self, node: NodeState) -> tuple[str | None, bool]:
         payload = {
             "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt[:-1],
             "kv_start": self.kv_start,
             "kv_target": self.decode.config.kv_target,
         }
-        node.inflight += 1
         t0 = time.monotonic()
+        failures = self._metrics.prefill_failures
         try:
             async with self._client.prefill(node, payload) as resp:
                 if resp.status == 200:
                     await resp.read()
                     self.prefill_s = time.monotonic() - t0
+                    if self._rates is not None:
+                        tokens = len(self.prompt) - 1 - self.kv_start
+                        self._rates.prefill_call_done(node.name, tokens, t0, time.monotonic())
                     return None, False
                 failure = f"HTTP {resp.status}: {await error_text(resp)}"
+                failures.labels(node.name, "refused").inc()
                 if resp.status == 503:
                     self._client.pool.mark(node, False, f"prefill call answered {failure}")
                 return failure, resp.status == 503
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failure = f"{type(e).__name__}: {e}"
+            unreachable = isinstance(e, aiohttp.ClientConnectorError)
+            failures.labels(node.name, "unreachable" if unreachable else "broken").inc()
             if isinstance(e, aiohttp.ClientConnectionError):
                 self._client.pool.mark(node, False, f"prefill call failed: {failure}")
-            return failure, isinstance(e, aiohttp.ClientConnectorError)
-        finally:
-            node.inflight -= 1
+            return failure, unreachable
 
     async def close(self) -> None:
         """Release the decode stream (closing it early tells the decode node to stop) and settle the prefill call."""
@@ -237,3 +330,4 @@ class Generation:
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._release_ticket()  # admitted but never (or not fully) run: the decode node refused, held it all, left

@@ -7,6 +7,7 @@ Never request ids.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -17,6 +18,10 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 # Why a request left its first-choice path; the only values disagg_fallbacks_total{reason} takes.
 FALLBACK_REASONS = ("decode_node_failed", "decode_node_busy", "decode_failover", "prefill_node_failed",
                     "kv_timeout", "kv_error", "kv_aborted", "upstream", "no_capacity")
+# Why a prefill call failed (disagg_prefill_failures_total{node,kind}): unreachable (no connection), refused (an
+# HTTP error answer), broken (the call dropped midway), node_down (health checks marked it down during the call),
+# stalled (the node answered no prefill call for [gateway] prefill_stall_s while this one ran).
+PREFILL_FAILURES = ("unreachable", "refused", "broken", "node_down", "stalled")
 AFFINITY_OUTCOMES = ("hit", "miss", "skipped")  # skipped: the remembered node was down, full or too busy
 
 UNKNOWN_MODEL = "unknown"  # label for requests that never named a configured model
@@ -67,6 +72,25 @@ class Metrics:
             "without one (miss)", ["model", "outcome"], registry=r,
         )
 
+        self.prefill_failures = Counter(
+            "disagg_prefill_failures", "Prefill calls that failed, by node and kind (" + ", ".join(PREFILL_FAILURES)
+            + "); the decode node then prefills locally", ["node", "kind"], registry=r,
+        )
+        self.path_choice = Counter(
+            "disagg_path_choices", "Paths the cost model chose for new requests (disaggregated, local)",
+            ["model", "path"], registry=r,
+        )
+        self.rate = Gauge(
+            "disagg_learned_rate", "Rates learned from the running system: prefill (tokens/s per prefill node), "
+            "local_prefill (tokens/s per decode node), link (bytes/s per prefill->decode pair)", ["kind", "node"],
+            registry=r,
+        )
+        self.admission_tokens = Gauge(
+            "disagg_admission_tokens", "Prompt tokens per prefill node, in flight in it or queued in the gateway",
+            ["node", "state"], registry=r,
+        )
+        self.refreshers: list[Callable[["Metrics"], None]] = []  # gauges set from live state just before a scrape
+
     def declare(self, model_ids) -> None:
         """Create every bounded label combination at 0, so rate() works before the first fallback."""
         for model in model_ids:
@@ -81,6 +105,8 @@ class Metrics:
         self.fallbacks.labels(model, reason).inc()
 
     def render(self) -> bytes:
+        for refresh in self.refreshers:
+            refresh(self)
         return generate_latest(self.registry)
 
     def request(self) -> "RequestRecord":

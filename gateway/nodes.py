@@ -26,6 +26,7 @@ class NodeState:
     config: NodeConfig
     up: bool = False  # down until the first health check answers ok
     inflight: int = 0
+    local_tokens: int = 0  # decode node: prompt tokens of its generations on the local path (the cost model's batch)
     reason: str | None = "not checked yet"
 
     @property
@@ -47,6 +48,8 @@ class NodeState:
 
     def snapshot(self) -> dict:
         out = {"name": self.name, "role": self.role, "up": self.up, "inflight": self.inflight}
+        if self.role == "decode":
+            out["local_prefill_tokens"] = self.local_tokens
         if self.config.max_inflight is not None:
             out["max_inflight"] = self.config.max_inflight
         if not self.up:
@@ -178,16 +181,19 @@ class PrefixAffinity:
 class Lease:
     """One admitted generation's hold on the cluster, taken by the orchestrator and released once by the generation:
     the model's in-flight count, the decode node's (None for the upstream), and on a finished release the prompt's
-    prefix remembered for that node."""
+    prefix remembered for that node. `local_tokens`: prompt tokens the node prefills itself (local path)."""
 
     def __init__(self, admitted: dict[str, int], model_id: str, node: NodeState | None,
-                 affinity: PrefixAffinity | None = None, prefix: list[bytes] | None = None) -> None:
+                 affinity: PrefixAffinity | None = None, prefix: list[bytes] | None = None,
+                 local_tokens: int = 0) -> None:
         self._admitted, self.model_id, self.node = admitted, model_id, node
         self._affinity, self._prefix = affinity, prefix or []
         self._held = True
+        self.local_tokens = local_tokens if node is not None else 0
         admitted[model_id] = admitted.get(model_id, 0) + 1
         if node is not None:
             node.inflight += 1
+            node.local_tokens += self.local_tokens
 
     def release(self, finished: bool) -> None:
         """Undo the counts (idempotent); `finished`: the generation completed, so its node now holds the prefix."""
@@ -197,5 +203,6 @@ class Lease:
         self._admitted[self.model_id] -= 1
         if self.node is not None:
             self.node.inflight -= 1
+            self.node.local_tokens -= self.local_tokens
             if finished and self._affinity is not None:
                 self._affinity.remember(self._prefix, self.node.name)

@@ -1,5 +1,6 @@
-"""One generation across nodes, per docs/protocol.md: open the decode stream, then (disaggregated path) ask a
-prefill node to push KV for prompt[kv_start:-1] to the decode node (which holds the KV of the first kv_start
+"""One generation across nodes, per docs/protocol.md and docs/routing.md: choose the path by predicted time to first
+token (gateway/rates.py), wait for the prefill node's admission (gateway/admission.py), open the decode stream, then
+(disaggregated path) ask a prefill node to push KV for prompt[kv_start:-1] to the decode node (which holds the KV of the first kv_start
 tokens already; none to push when that is all of them); abort the transfer if prefill fails. `Choices` runs
 n such generations of one prompt concurrently and merges their streams.
 
@@ -26,9 +27,11 @@ from kv_bridge.protocol import SEED_SPACE, DoneLine, Fallback, Sampling, TokenLi
 
 from .errors import NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
 from .failover import Resumable
-from .generation import Generation
+from .admission import Admission, Ticket
+from .generation import Generation, PrefillRoute
 from .node_client import NodeClient
 from .nodes import Lease, NodePool, NodeState, PrefixAffinity
+from .rates import DISAGGREGATED, Rates, choose_path
 from .upstream import Prompt, UpstreamGeneration, check_upstreams
 
 log = logging.getLogger("gateway.orchestrator")
@@ -49,20 +52,54 @@ class Orchestrator:
         self.client = NodeClient(session, pool, settings.gateway.request_timeout_s)
         gw = settings.gateway
         self.retry_after_s, self.affinity_slack = gw.retry_after_s, gw.affinity_slack
+        self.prefill_stall_s = gw.prefill_stall_s
         self.affinity = PrefixAffinity(gw.affinity_entries, gw.affinity_block_tokens)
         self.inflight: dict[str, int] = {}  # generations per model, decode and upstream alike
+        self.rates = Rates(gw.rates)
+        self.admission = Admission(gw.admission, lambda node: self.rates.prefill_rate(node).value)
+        self.metrics.refreshers.append(self._refresh_metrics)
 
     def detokenize(self, model_id: str, ids: list[int]) -> str | None:
         return None if self._detokenize is None else self._detokenize(model_id, ids)
 
-    def _lease(self, route: ModelRoute, node: NodeState | None, prefix: list[bytes] | None = None) -> Lease:
-        return Lease(self.inflight, route.id, node, self.affinity, prefix)
+    def _lease(self, route: ModelRoute, node: NodeState | None, prefix: list[bytes] | None = None,
+               local_tokens: int = 0) -> Lease:
+        return Lease(self.inflight, route.id, node, self.affinity, prefix, local_tokens)
 
-    def choose_prefill(self, route: ModelRoute, prompt: list[int]) -> NodeState | None:
-        """A prefill node when the path is worth disaggregating: one is available and the KV range is long enough."""
-        if len(prompt) - 1 < route.min_disagg_tokens:
+    def choose_prefill(self, route: ModelRoute, prompt: list[int], decode: NodeState,
+                       exclude: list[str] = ()) -> NodeState | None:
+        """The prefill node to wait for, or None for local prefill: above the `min_disagg_tokens` floor, the prefill
+        node with the lowest predicted time to first token (its queue and this prompt at its learned rate, plus the
+        transfer), when that beats the decode node prefilling the prompt itself behind its other local prefills."""
+        kv_tokens = len(prompt) - 1
+        if kv_tokens < route.min_disagg_tokens:
             return None
-        return self.pool.pick(route.prefill)
+        best, best_s = None, None
+        for node in self.pool.available(route.prefill, exclude):
+            costs = self.rates.costs(node.name, decode.name, kv_tokens, tokens_ahead=self.admission.node(
+                node.name).tokens_ahead, batch_tokens=decode.local_tokens,
+                kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0)))
+            if choose_path(costs, kv_tokens, route.min_disagg_tokens) == DISAGGREGATED and (
+                    best_s is None or costs.disaggregated < best_s):
+                best, best_s = node, costs.disaggregated
+        return best
+
+    async def _admit(self, route: ModelRoute, node: NodeState, tokens: int) -> Ticket:
+        return await self.admission.node(node.name).acquire(route.id, tokens)
+
+    def snapshot(self) -> dict:
+        """For /health: the learned rates and each prefill node's admission state."""
+        return {"rates": self.rates.snapshot(), "admission": self.admission.snapshot()}
+
+    def _refresh_metrics(self, m) -> None:
+        snap = self.rates.snapshot()
+        for kind, key in (("prefill", "prefill_tokens_per_s"), ("local_prefill", "local_prefill_tokens_per_s"),
+                          ("link", "link_bytes_per_s")):
+            for node, r in snap[key].items():
+                m.rate.labels(kind, node).set(r["value"])
+        for node, gate in self.admission.nodes.items():
+            m.admission_tokens.labels(node, "inflight").set(gate.inflight_tokens)
+            m.admission_tokens.labels(node, "queued").set(gate.queued_tokens)
 
     async def start(self, route: ModelRoute, prompt: Prompt,
                     sampling: Sampling) -> Resumable | UpstreamGeneration:
@@ -98,8 +135,7 @@ class Orchestrator:
                 self.metrics.affinity.labels(route.id, "hit" if decode and decode.name == prefer else "skipped").inc()
             if decode is None:
                 return None
-            gen = Generation(self.client, self._lease(route, decode, prefix), route, decode,
-                             self.choose_prefill(route, prompt), prompt, fallbacks)
+            gen = await self._generation(route, decode, prompt, fallbacks, prefix)
             try:
                 await gen.open(sampling)
                 return gen
@@ -118,6 +154,20 @@ class Orchestrator:
             except BaseException:
                 await gen.close()
                 raise
+
+    async def _generation(self, route: ModelRoute, decode: NodeState, prompt: list[int], fallbacks: list[str],
+                          prefix: list[bytes]) -> Generation:
+        """A generation on `decode`, its path chosen by cost. A disaggregated one waits here for its prefill node's
+        admission (arrival order, fair per model; RateLimited past the queue) before the decode node is asked, so
+        queueing never runs down the decode node's no-progress deadline."""
+        prefill = self.choose_prefill(route, prompt, decode)
+        self.metrics.path_choice.labels(route.id, "disaggregated" if prefill else "local").inc()
+        ticket = None if prefill is None else await self._admit(route, prefill, len(prompt) - 1)
+        reroute = PrefillRoute(lambda tried: self.choose_prefill(route, prompt, decode, tried),
+                               lambda node, tokens: self._admit(route, node, tokens), self.prefill_stall_s)
+        lease = self._lease(route, decode, prefix, 0 if prefill else len(prompt))
+        return Generation(self.client, lease, route, decode, prefill, prompt, fallbacks, ticket=ticket,
+                          rates=self.rates, reroute=reroute)
 
     def _remembered(self, route: ModelRoute, prefix: list[bytes]) -> str | None:
         """The decode node that served this prompt's longest remembered prefix, if it is in the model's pool."""

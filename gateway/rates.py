@@ -64,6 +64,8 @@ class Rates:
         self.prefill: dict[str, Rate] = {}
         self.local: dict[str, Rate] = {}
         self.link: dict[tuple[str, str], Rate] = {}
+        self.kv_bytes_per_token: dict[str, float] = {}  # per model, learned from transfers (0 until the first)
+        self._busy_until: dict[str, float] = {}  # per prefill node: when its last call answered
 
     def _rate(self, table: dict, key, default_prior: float, node: str | None = None) -> Rate:
         rate = table.get(key)
@@ -85,6 +87,22 @@ class Rates:
         """A prefill node computed `tokens` prompt tokens in `seconds` of its own work (taken -> last frame)."""
         self.prefill_rate(node).observe(tokens, seconds)
 
+    def prefill_call_done(self, node: str, tokens: int, started: float, now: float) -> None:
+        """A prefill call of `tokens` ran from `started` to `now` (monotonic). Calls overlap on a node, so each counts
+        only the time since the node's previous call answered: over a busy period the sum is the node's busy time, and
+        the rate its throughput, not one call's share of it."""
+        since = max(started, self._busy_until.get(node, started))
+        self._busy_until[node] = max(now, self._busy_until.get(node, now))
+        self.observe_prefill(node, tokens, now - since)
+
+    def last_answer(self, node: str) -> float | None:
+        """When (monotonic) `node`'s last prefill call answered 200, or None before the first."""
+        return self._busy_until.get(node)
+
+    def observe_kv_size(self, model: str, tokens: int, nbytes: int) -> None:
+        if tokens > 0 and nbytes > 0:
+            self.kv_bytes_per_token[model] = nbytes / tokens
+
     def observe_local(self, node: str, tokens: int, seconds: float) -> None:
         """A decode node prefilled `tokens` itself in `seconds`."""
         self.local_rate(node).observe(tokens, seconds)
@@ -99,6 +117,7 @@ class Rates:
             "prefill_tokens_per_s": {k: r.snapshot() for k, r in self.prefill.items()},
             "local_prefill_tokens_per_s": {k: r.snapshot() for k, r in self.local.items()},
             "link_bytes_per_s": {f"{p}->{d}": r.snapshot() for (p, d), r in self.link.items()},
+            "kv_bytes_per_token": {m: round(b, 1) for m, b in self.kv_bytes_per_token.items()},
         }
 
     def disaggregated_ttft(self, prefill: str, decode: str, prompt_tokens: int, tokens_ahead: int,

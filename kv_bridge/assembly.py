@@ -106,6 +106,7 @@ class Transfer:
         self._keys = self._values = self._filled = self._claimed = self._first = self._layer_first = None
         self._t0 = 0.0
         self._bytes = 0
+        self.progress_at = time.monotonic()  # registered, each HEADER, each frame: what the no-progress deadline counts from
 
     def check_header(self, hdr: wire.StreamHeader) -> None:
         mine = (self.spec["fingerprint"], self.spec["num_layers"], self.spec["num_kv_heads"], self.spec["head_dim"])
@@ -139,6 +140,7 @@ class Transfer:
             raise TransferError("kv_error", "streams of one transfer disagree on a layer's sliding window")
         self._claimed[layers, heads] = True
         self._layer_first[layers] = firsts
+        self.progress_at = time.monotonic()
 
     def _allocate(self, hdr: wire.StreamHeader) -> None:
         shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
@@ -170,6 +172,7 @@ class Transfer:
         self._keys[layer, heads, i:i + n] = k
         self._values[layer, heads, i:i + n] = v
         self._bytes += hdr.kv_bytes(n)  # bytes as they crossed the network
+        self.progress_at = time.monotonic()
 
     def views(self, hdr: wire.StreamHeader, layer: int, start: int, count: int) -> list[memoryview]:
         """Where a float32 frame's payload goes, in wire order: K (count, D) for each of the stream's heads, then V
@@ -182,6 +185,7 @@ class Transfer:
     def received(self, hdr: wire.StreamHeader, count: int) -> None:
         """A frame received in place (views()) passed its checks: count its bytes."""
         self._bytes += hdr.kv_bytes(count)
+        self.progress_at = time.monotonic()
 
     def _missing(self, layers, heads: slice) -> int:
         return sum(int((~self._filled[layer, heads, self._layer_first[layer] - self.start:]).sum())
@@ -213,11 +217,21 @@ class Transfer:
         if not self.future.done():
             self.future.set_result(kv)
 
-    async def result(self, timeout: float) -> ReceivedKV:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.future), timeout)
-        except asyncio.TimeoutError:
-            self.fail("kv_timeout", f"no complete KV within {timeout:.1f}s")
-            raise TransferError("kv_timeout", f"no complete KV within {timeout:.1f}s") from None
+    async def result(self, idle_timeout: float, header_timeout: float | None = None) -> ReceivedKV:
+        """The KV, waiting as long as it makes progress: it fails (kv_timeout) only after `idle_timeout` seconds with
+        nothing new (a HEADER, the last frame), never because a long live stream is slow. Before the first HEADER the
+        limit is `header_timeout` (default: idle_timeout): the prefill may be queued behind live work, which only the
+        gateway sees, and the gateway aborts the transfer when that prefill fails (docs/routing.md)."""
+        while True:
+            limit = header_timeout if self._first is None and header_timeout is not None else idle_timeout
+            left = self.progress_at + limit - time.monotonic()
+            if left <= 0:
+                msg = f"no KV progress for {limit:.1f}s" + (" (no HEADER)" if self._first is None else "")
+                self.fail("kv_timeout", msg)
+                raise TransferError("kv_timeout", msg)
+            try:  # woken every second: a HEADER that arrived switches the limit
+                return await asyncio.wait_for(asyncio.shield(self.future), min(left, 1.0))
+            except asyncio.TimeoutError:
+                continue
 
 

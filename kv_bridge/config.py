@@ -138,6 +138,9 @@ class GatewayConfig(BaseModel):
     affinity_block_tokens: int = Field(default=64, ge=1, description="prefixes are hashed at multiples of this")
     affinity_slack: int = Field(default=2, ge=0, description="keep a conversation on its node while that node has "
                                 "at most this many more requests in flight than the least-loaded one")
+    prefill_stall_s: float = Field(default=120.0, gt=0, description="a prefill call fails (the decode node prefills "
+                                   "locally) when its prefill node answered no prefill call at all for this long "
+                                   "while it ran: the node is stalled, not busy (a busy node answers the calls ahead)")
     rates: RatesConfig = RatesConfig()
     admission: AdmissionConfig = AdmissionConfig()
 
@@ -157,7 +160,11 @@ class PrefillConfig(BaseModel):
 
 
 class DecodeConfig(BaseModel):
-    kv_timeout_s: float = Field(default=30.0, gt=0, description="wait this long for KV, then prefill locally")
+    kv_timeout_s: float = Field(default=30.0, gt=0, description="no KV progress (since the HEADER or "
+                              "the last frame) for this long: prefill locally. Before the HEADER, kv_header_timeout_s")
+    kv_header_timeout_s: float = Field(default=600.0, gt=0, description="longest wait for a transfer's HEADER: the "
+                                     "prefill may be queued in vLLM behind live work; the gateway aborts the transfer "
+                                     "at once when that prefill fails, so this only bounds a gateway that vanished")
     kv_bits: int | None = Field(
         default=None, description="4 or 8: quantize decode KV caches (mlx-lm QuantizedKVCache), bridged and local alike")
     kv_group_size: int = Field(default=64, description="32, 64 or 128")

@@ -245,7 +245,8 @@ def fake_logprobs(body: dict, i: int, tid: int) -> dict:
 
 
 class FakePrefillNode(FakeNode):
-    """fail: None, "http" (answer 500), or "hang" (never answer)."""
+    """fail: None, "http" (answer 500), or "hang" (never answer). `seconds_per_token`: each call computes for that long
+    per prompt token, one call at a time like a saturated engine (`running`/`max_running`: calls inside it)."""
 
     role = "prefill"
 
@@ -254,9 +255,21 @@ class FakePrefillNode(FakeNode):
         self.decoders = decoders
         self.fail: str | None = None
         self.requests: list[dict] = []
+        self.seconds_per_token = 0.0
+        self.running = self.max_running = 0
+        self._engine = asyncio.Lock()
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/prefill", self._prefill)
+
+    async def _compute(self, tokens: int) -> None:
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            async with self._engine:
+                await asyncio.sleep(tokens * self.seconds_per_token)
+        finally:
+            self.running -= 1
 
     async def _prefill(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -267,6 +280,7 @@ class FakePrefillNode(FakeNode):
             return _error(500, "fake prefill failure")
         if self.fail == "hang":
             await asyncio.sleep(3600)
+        await self._compute(len(body["token_ids"]) - int(body.get("kv_start", 0)))
         target = body["kv_target"]
         for d in self.decoders:
             if (target["host"], target["port"]) == ("127.0.0.1", d.kv_port):

