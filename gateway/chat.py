@@ -5,6 +5,7 @@ check the context budget, then relay n choices as a `chat.completion` or as `cha
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -29,7 +30,7 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     # An upstream gets the messages; tools it would not see, so such requests stay in the cluster.
     inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
-    sampling = sampling_for(req, max_tokens, req.top_alternatives())
+    sampling = replace(sampling_for(req, max_tokens, req.top_alternatives()), grammar=req.grammar())
     renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs))
     return await run(request, st, rec, route, Prompt(prompt, inp), sampling, req.choices(), bool(req.stream),
                      OpenAIFraming(renderer))

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import DoneLine as Done
-from kv_bridge.protocol import Sampling
+from kv_bridge.protocol import Sampling, json_grammar
 
 from .chat import GatewayState
 from .errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
@@ -176,12 +176,19 @@ def _validate(cls: type[_Body], body: Any) -> _Body:
 
 def _refuse_unsupported(body: _Body, name: str, images: bool) -> None:
     """Ollama answers 400 when a model lacks a capability; a format we cannot enforce is refused, not ignored."""
-    if body.format not in (None, ""):
-        raise InvalidRequest("format (JSON mode / structured outputs) is not supported by this server")
+    if body.format not in (None, "", "json") and not isinstance(body.format, dict):
+        raise InvalidRequest(f'invalid format: {body.format!r}: use "json" or a JSON schema object')
     if body.think:
         raise InvalidRequest(f'"{name}" does not support thinking')
     if images:
         raise InvalidRequest(f'"{name}" does not support images')
+
+
+def _grammar(fmt: str | dict | None) -> dict | None:
+    """Ollama's format as the protocol's grammar: "json" is any JSON object, a dict is a JSON schema."""
+    if isinstance(fmt, dict):
+        return json_grammar(fmt)
+    return json_grammar() if fmt == "json" else None
 
 
 def _is_unload(keep_alive: float | str | None) -> bool:
@@ -258,7 +265,8 @@ async def parse_generate(request: web.Request, st: GatewayState, vocab_sizes: di
         job.prompt = history + await _encode(tok.encode_chat, msgs)
         if not history:  # `context` is our token ids, which an upstream model cannot read
             job.upstream = UpstreamInput.chat(msgs)
-    job.sampling = build_sampling(body.options, len(job.prompt), route)
+    job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
+                                       grammar=_grammar(body.format))
     return job
 
 
@@ -283,7 +291,8 @@ async def parse_chat(request: web.Request, st: GatewayState) -> Job:
     msgs = [{"role": m.role, "content": m.content or ""} for m in body.messages]
     job.prompt = await _encode(st.tokenizers[route.id].encode_chat, msgs)
     job.upstream = UpstreamInput.chat(msgs)
-    job.sampling = build_sampling(body.options, len(job.prompt), route)
+    job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
+                                       grammar=_grammar(body.format))
     return job
 
 

@@ -53,8 +53,8 @@ async def test_model_required_and_unknown(cluster, path):
 
 
 @pytest.mark.parametrize(("patch", "needle"), [
-    ({"format": "json"}, "format"),
-    ({"format": {"type": "object", "properties": {"a": {"type": "string"}}}}, "format"),
+    ({"format": "xml"}, "format"),
+    ({"format": 5}, "format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
     ({"think": True}, "does not support thinking"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "does not support images"),
@@ -81,7 +81,7 @@ async def test_chat_bad_fields(cluster, patch, needle):
     ({"images": ["aGk="]}, "does not support images"),
     ({"context": [1, -5]}, "context"),
     ({"context": [10**9]}, "outside the vocabulary"),
-    ({"format": "json"}, "format"),
+    ({"format": "yaml"}, "format"),
 ])
 async def test_generate_bad_fields(cluster, patch, needle):
     status, _, body = await send(cluster, "POST", "/api/generate", {"model": MODEL_ID, "prompt": "hi", **patch})
