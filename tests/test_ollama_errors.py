@@ -163,3 +163,18 @@ def test_latest_tag_aliases():
     assert find_route(st, "smollm2:135m") == "b"
     with pytest.raises(ModelNotFound, match="model 'smollm2' not found"):
         find_route(st, "smollm2")
+
+
+@pytest.mark.parametrize(("fmt", "grammar"), [
+    ("json", {"type": "json_object"}),
+    ({"type": "object", "properties": {"a": {"type": "string"}}},
+     {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}, "strict": False}),
+    ("", None),
+])
+@pytest.mark.parametrize("path", ["/api/generate", "/api/chat"])
+async def test_format_reaches_the_decode_node(cluster, path, fmt, grammar):
+    body = chat(format=fmt, stream=False) if path == "/api/chat" else {"model": MODEL_ID, "prompt": "hi",
+                                                                       "format": fmt, "stream": False}
+    status, _, out = await send(cluster, "POST", path, body)
+    assert status == 200, out
+    assert cluster.decode.requests[-1]["grammar"] == grammar
