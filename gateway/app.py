@@ -69,14 +69,14 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    data = [_model_card(m.id, st.created) for m in st.settings.models]
+    data = [_model_card(name, st.created) for m in st.settings.models for name in m.names]  # aliases too
     return web.json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
     route = st.route(request.match_info["model"])
-    return web.json_response(_model_card(route.id, st.created))
+    return web.json_response(_model_card(request.match_info["model"], st.created))
 
 
 def _model_card(model_id: str, created: int) -> dict:
@@ -136,7 +136,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/v1/models/{model:.+}", get_model)  # ids may hold slashes (aliases)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     ollama.add_routes(app)
