@@ -26,7 +26,8 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     req.check(tok.vocab_size, tok.supports_tools)
     # Tokenizing a long prompt takes milliseconds; keep it off the event loop (tokenizers releases the GIL).
     loop = asyncio.get_running_loop()
-    prompt = await loop.run_in_executor(None, tok.encode_chat, req.messages_as_dicts(), req.tools or None)
+    prompt = await loop.run_in_executor(None, tok.encode_chat, req.messages_as_dicts(), req.tools or None,
+                                        req.chat_template_kwargs)
     # An upstream gets the messages; tools it would not see, so such requests stay in the cluster.
     inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)

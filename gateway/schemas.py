@@ -140,6 +140,7 @@ class ChatRequest(GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: extra variables for the chat template
 
     def check(self, vocab_size: int, supports_tools: bool = False) -> None:
         super().check(vocab_size)

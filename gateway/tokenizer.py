@@ -93,6 +93,9 @@ def message_text(content: Any) -> str:
     return "\n".join(part["text"] for part in content)
 
 
+_TEMPLATE_ARGS = {"messages", "tools", "documents", "add_generation_prompt"}  # the request's own, never overridden
+
+
 class ChatTokenizer:
     """One model's tokenizer plus chat template; `encode_chat(messages)` gives the prompt ids nodes expect."""
 
@@ -145,8 +148,15 @@ class ChatTokenizer:
         # The template already wrote every special token, so the tokenizer must not add its own.
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.encode(self.render(messages, tools=tools))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt ids; `template_kwargs` (a request's chat_template_kwargs, e.g. enable_thinking) reach the
+        template as variables."""
+        kwargs = template_kwargs or {}
+        reserved = sorted(set(kwargs) & _TEMPLATE_ARGS)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+        return self.encode(self.render(messages, tools=tools, **kwargs))
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw completion prompt: no template, so the tokenizer adds its own special tokens (e.g. BOS)."""
