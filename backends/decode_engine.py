@@ -66,6 +66,7 @@ class MLXModel:
         from mlx_lm import load
 
         self.model, self.tokenizer = load(self.path)
+        _harmony_stops(self.tokenizer)
         self.dtype = tree_flatten(self.model.parameters())[0][1].dtype
         # The logits width: what logit_bias ids and top_k are checked against.
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
@@ -320,6 +321,14 @@ def _finish(job: Job, tokens: list[int] | None, cache: list | None) -> None:
         log.exception("on_finished failed")
     finally:
         job.emit(None)
+
+
+def _harmony_stops(tokenizer) -> None:
+    """gpt-oss ends a turn with <|return|> or <|call|>; its config.json names only <|return|> as EOS."""
+    vocab = tokenizer.vocab
+    if "<|return|>" in vocab and "<|call|>" in vocab:
+        for t in ("<|return|>", "<|call|>"):
+            tokenizer.add_eos_token(t)
 
 
 def _grammar_compiler(tokenizer, vocab_size: int):

@@ -22,6 +22,7 @@ from kv_bridge.protocol import Sampling, json_grammar
 
 from .chat import GatewayState
 from .errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from .reasoning import parser_name, reasoning_parser, template_kwargs
 from .upstream import UpstreamInput
 
 # Ollama's documented defaults. Its repeat_penalty default (1.1) is not applied unless asked for: it would make
@@ -96,6 +97,7 @@ class Job:
     upstream: UpstreamInput | None = None  # what an upstream gets instead of `prompt` (None: cannot go there)
     context: bool = False  # answer with `context` (generate, not raw)
     load_reason: str = "load"
+    reasoning: Any = None  # the request's reasoning parser (gateway.reasoning), or None: all text is the answer
 
 
 @dataclass
@@ -178,10 +180,22 @@ def _refuse_unsupported(body: _Body, name: str, images: bool) -> None:
     """Ollama answers 400 when a model lacks a capability; a format we cannot enforce is refused, not ignored."""
     if body.format not in (None, "", "json") and not isinstance(body.format, dict):
         raise InvalidRequest(f'invalid format: {body.format!r}: use "json" or a JSON schema object')
-    if body.think:
-        raise InvalidRequest(f'"{name}" does not support thinking')
     if images:
         raise InvalidRequest(f'"{name}" does not support images')
+
+
+def _reasoning(body: _Body, route: ModelRoute, st: GatewayState) -> tuple[Any, dict]:
+    """(the request's reasoning parser or None, template kwargs for `think`); `think` on a model that does not
+    reason is Ollama's 400."""
+    name = parser_name(route.reasoning_parser, st.tokenizers[route.id].model_type)
+    if name is None:
+        if body.think:
+            raise InvalidRequest(f'"{body.model}" does not support thinking')
+        return None, {}
+    try:
+        return reasoning_parser(name), template_kwargs(name, None, body.think)
+    except ValueError as e:
+        raise InvalidRequest(f"invalid think value: {e}") from None
 
 
 def _grammar(fmt: str | dict | None) -> dict | None:
@@ -262,7 +276,8 @@ async def parse_generate(request: web.Request, st: GatewayState, vocab_sizes: di
         msgs = [{"role": "system", "content": body.system}] if body.system else []
         msgs.append({"role": "user", "content": body.prompt or ""})
         history = _check_context(body.context or [], vocab_sizes.get(route.id))
-        job.prompt = history + await _encode(tok.encode_chat, msgs)
+        job.reasoning, kwargs = _reasoning(body, route, st)
+        job.prompt = history + await _encode(tok.encode_chat, msgs, None, kwargs)
         if not history:  # `context` is our token ids, which an upstream model cannot read
             job.upstream = UpstreamInput.chat(msgs)
     job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
@@ -289,25 +304,35 @@ async def parse_chat(request: web.Request, st: GatewayState) -> Job:
         job.load_reason = "unload" if _is_unload(body.keep_alive) else "load"
         return job
     msgs = [{"role": m.role, "content": m.content or ""} for m in body.messages]
-    job.prompt = await _encode(st.tokenizers[route.id].encode_chat, msgs)
+    job.reasoning, kwargs = _reasoning(body, route, st)
+    job.prompt = await _encode(st.tokenizers[route.id].encode_chat, msgs, None, kwargs)
     job.upstream = UpstreamInput.chat(msgs)
     job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
                                        grammar=_grammar(body.format))
     return job
 
 
-def chunk(job: Job, text: str) -> dict:
+def chunk(job: Job, text: str, last: bool = False) -> dict:
+    """One answer object; with a reasoning parser the text is split into `thinking` and the answer (`last`: the
+    parser's held-back tail goes out too)."""
+    thinking = ""
+    if job.reasoning is not None:
+        d = job.reasoning.feed(text)
+        d = d.add(job.reasoning.finish()) if last else d
+        text, thinking = d.content, d.reasoning
     out: dict[str, Any] = {"model": job.name, "created_at": now_rfc3339()}
     if job.kind == "chat":
-        out["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}
     else:
         out["response"] = text
+        if thinking:
+            out["thinking"] = thinking
     out["done"] = False
     return out
 
 
 def final(job: Job, text: str, done: Done, clock: Clock, generated: list[int]) -> dict:
-    out = chunk(job, text)
+    out = chunk(job, text, last=True)
     out.update(done=True, done_reason=done.finish_reason)
     if job.context:
         out["context"] = [*(job.prompt or []), *generated]

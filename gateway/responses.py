@@ -19,6 +19,7 @@ from kv_bridge.protocol import DoneLine
 from kv_bridge.protocol import TokenLine as Token
 
 from .errors import APIError
+from .reasoning import reasoning_parser
 from .relay import Framing, sse
 from .schemas import usage
 
@@ -142,9 +143,22 @@ class _Renderer:
 class ChatRenderer(_Renderer):
     object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, model: str, pieces: TokenPieces, include_usage: bool, logprobs: bool) -> None:
+    def __init__(self, model: str, pieces: TokenPieces, include_usage: bool, logprobs: bool,
+                 reasoning: str | None = None) -> None:
         super().__init__(model, pieces, include_usage)
         self.logprobs = logprobs
+        self.reasoning = reasoning  # a reasoning parser's name (gateway.reasoning), or None: all text is content
+        self._parsers: dict[int, object] = {}
+
+    def _parser(self, index: int):
+        if index not in self._parsers:
+            self._parsers[index] = reasoning_parser(self.reasoning)
+        return self._parsers[index]
+
+    def _parts(self, d) -> dict:
+        """A parser's delta as message fields: reasoning under both names clients read (vLLM's old and new)."""
+        out = {"reasoning_content": d.reasoning, "reasoning": d.reasoning} if d.reasoning else {}
+        return {**out, "content": d.content} if d.content else out
 
     def _delta(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
         return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
@@ -153,20 +167,30 @@ class ChatRenderer(_Renderer):
         return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
 
     def token(self, index: int, tok: Token) -> dict | None:
+        delta = {"content": tok.text} if self.reasoning is None else self._parts(self._parser(index).feed(tok.text))
         if self.logprobs:  # every token gets its chunk, even one whose text is still held back
-            return self._delta(index, {"content": tok.text}, {"content": [chat_item(self.pieces, tok)]})
-        if not tok.text:  # a token that ends mid-codepoint has no text yet; the next one carries it
+            return self._delta(index, delta, {"content": [chat_item(self.pieces, tok)]})
+        if not any(delta.values()):  # a token that ends mid-codepoint (or a marker) has no text yet
             return None
-        return self._delta(index, {"content": tok.text})
+        return self._delta(index, delta)
 
     def finish(self, index: int, reason: str) -> dict:
-        return self._delta(index, {}, None, reason)
+        rest = {} if self.reasoning is None else self._parts(self._parser(index).finish())
+        return self._delta(index, rest, None, reason)
+
+    def _message(self, text: str) -> dict:
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        p = reasoning_parser(self.reasoning)
+        d = p.feed(text).add(p.finish())
+        return {"role": "assistant", "content": d.content, "reasoning_content": d.reasoning or None,
+                "reasoning": d.reasoning or None}
 
     def body(self, results: list[ChoiceResult], use: dict) -> dict:
         choices = [
             {
                 "index": r.index,
-                "message": {"role": "assistant", "content": r.text},
+                "message": self._message(r.text),
                 "logprobs": {"content": [chat_item(self.pieces, t) for t in r.tokens]} if self.logprobs else None,
                 "finish_reason": r.finish_reason,
             }

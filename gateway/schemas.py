@@ -141,6 +141,7 @@ class ChatRequest(GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: extra variables for the chat template
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check(self, vocab_size: int, supports_tools: bool = False) -> None:
         super().check(vocab_size)

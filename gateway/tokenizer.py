@@ -104,6 +104,7 @@ class ChatTokenizer:
         self.template_source = template_source
         self._template = compile_template(template_source)
         self.special_tokens = dict(special_tokens)
+        self.model_type: str | None = None  # config.json's model_type, when the folder has one
 
     @property
     def supports_tools(self) -> bool:
@@ -130,7 +131,11 @@ class ChatTokenizer:
         cfg_file = folder / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
         special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
-        return cls(Tokenizer.from_file(str(tok_file)), _template_source(folder, config), special)
+        tok = cls(Tokenizer.from_file(str(tok_file)), _template_source(folder, config), special)
+        model_cfg = folder / "config.json"
+        if model_cfg.is_file():  # the family picks the default reasoning parser
+            tok.model_type = json.loads(model_cfg.read_text(encoding="utf-8")).get("model_type")
+        return tok
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                **kwargs: Any) -> str:

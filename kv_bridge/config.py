@@ -82,6 +82,9 @@ class ModelRoute(BaseModel):
                                             "serve (litellm); None: answer 503")
     aliases: list[str] = Field(default_factory=list, description="other names clients use for this model, e.g. "
                                '"openai/gpt-oss-120b"; each works on both APIs and is listed by /v1/models, /api/tags')
+    reasoning_parser: Literal["harmony", "think", "none"] | None = Field(
+        default=None, description='how output splits into reasoning and content; default by model family '
+        '(gpt_oss: "harmony", qwen3: "think", others "none")')
 
     @property
     def names(self) -> list[str]:
