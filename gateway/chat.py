@@ -10,6 +10,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from .metrics import RequestRecord
+from .output import tool_parser_name
 from .reasoning import parser_name, template_kwargs
 from .responses import ChatRenderer, OpenAIFraming
 from .schemas import parse_chat_request, resolve_max_tokens
@@ -34,7 +35,9 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
     sampling = replace(sampling_for(req, max_tokens, req.top_alternatives()), grammar=req.grammar())
-    renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs), reasoning)
+    tools = tool_parser_name(route.tool_parser, tok.model_type) if req.tools and req.tool_choice != "none" else None
+    renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs), reasoning,
+                            tools, req.tools)
     return await run(request, st, rec, route, Prompt(prompt, inp), sampling, req.choices(), bool(req.stream),
                      OpenAIFraming(renderer))
 

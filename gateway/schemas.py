@@ -160,7 +160,25 @@ class ChatRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def messages_as_dicts(self) -> list[dict]:
-        return [m.model_dump(exclude_none=False) for m in self.messages]
+        """The messages for the chat template; assistant tool_calls' arguments as objects (templates iterate them,
+        as vLLM passes them)."""
+        return [_arguments_as_objects(m.model_dump(exclude_none=False)) for m in self.messages]
+
+
+def _arguments_as_objects(msg: dict) -> dict:
+    calls = msg.get("tool_calls")
+    if not isinstance(calls, list):
+        return msg
+    out = []
+    for call in calls:
+        fn = (call or {}).get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:
+                raise InvalidRequest("tool_calls arguments must be a JSON object text", param="messages") from None
+        out.append(call)
+    return {**msg, "tool_calls": out}
 
 
 class CompletionRequest(GenerationRequest):

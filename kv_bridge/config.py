@@ -85,6 +85,9 @@ class ModelRoute(BaseModel):
     reasoning_parser: Literal["harmony", "think", "none"] | None = Field(
         default=None, description='how output splits into reasoning and content; default by model family '
         '(gpt_oss: "harmony", qwen3: "think", others "none")')
+    tool_parser: Literal["hermes", "qwen3_coder", "harmony", "none"] | None = Field(
+        default=None, description='how tool calls are read from the output; default by model family (gpt_oss: '
+        '"harmony", qwen3_moe: "qwen3_coder", qwen3: "hermes", others "none")')
 
     @property
     def names(self) -> list[str]:
