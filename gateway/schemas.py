@@ -152,7 +152,7 @@ class ChatRequest(GenerationRequest):
                                  param="tools")
         choice = self.tool_choice
         if choice not in (None, "none", "auto"):
-            why = "requires tools" if not self.tools else "is not supported (no constrained decoding); use 'auto'"
+            why = "requires tools" if not self.tools else "is not supported (a call cannot be forced yet); use 'auto'"
             raise InvalidRequest(f"tool_choice {choice!r} {why}", param="tool_choice")
 
     def top_alternatives(self) -> int | None:
