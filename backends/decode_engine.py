@@ -29,7 +29,8 @@ class Job:
     ("token", TokenLine, finish_reason) per token or ("error", message), then None once the job has left the loop and
     its cache is freed. `on_finished(tokens, cache)` (MLX thread, must not block) gets the final per-request cache
     and the tokens it holds (history + prompt + every token delivered: BatchGenerator delivers a token once it
-    has run it), for a finished or cancelled batched request.
+    has run it), for a finished or cancelled batched request. `grammar`: the request's GrammarProcessor (JSON mode,
+    a JSON schema), or None.
     """
 
     tokens: list[int]
@@ -39,6 +40,7 @@ class Job:
     history: list[int] = field(default_factory=list)
     on_finished: Callable[[list[int], list], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    grammar: object | None = None
 
 
 class MLXModel:
@@ -52,7 +54,7 @@ class MLXModel:
         self.kv_bits, self.kv_group_size, self.max_batch_size = kv_bits, kv_group_size, max_batch_size
         self.prefixes = PrefixStore(prefix_cache_bytes)  # finished generations' caches, for the next turn
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
-        self.model = self.tokenizer = None
+        self.model = self.tokenizer = self.grammars = None
         self.spec = kv_spec(path)
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.failure: str | None = None  # set when the MLX loop itself died: the node can serve nothing more
@@ -64,16 +66,32 @@ class MLXModel:
         from mlx_lm import load
 
         self.model, self.tokenizer = load(self.path)
+        _harmony_stops(self.tokenizer)
         self.dtype = tree_flatten(self.model.parameters())[0][1].dtype
         # The logits width: what logit_bias ids and top_k are checked against.
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
+        self.grammars = _grammar_compiler(self.tokenizer, self.vocab_size)
         if self.kv_bits is not None:  # refuse at start-up what quantization cannot do for this model
             from mlx_lm.models.cache import make_prompt_cache
 
             from kv_bridge.mlx.cache import quantize
 
             quantize(make_prompt_cache(self.model), self.kv_bits, self.kv_group_size)
+
+    def grammar_for(self, gen: Sampling, ids: list[int]):
+        """The request's GrammarProcessor (None without a grammar); a resumed generation's last
+        `gen.grammar_generated` prompt tokens are fed to it first. Any thread. Raises GrammarError (a 400)."""
+        from backends.grammar import GrammarError, GrammarSpec
+
+        if gen.grammar is None:
+            return None
+        if self.grammars is None:
+            raise GrammarError("this decode node cannot constrain output: install llguidance on it")
+        if gen.grammar_generated >= len(ids):
+            raise GrammarError("grammar_generated must be less than the number of prompt tokens")
+        generated = ids[len(ids) - gen.grammar_generated:] if gen.grammar_generated else []
+        return self.grammars.processor(GrammarSpec.from_wire(gen.grammar), generated)
 
     def start(self) -> None:
         """Start the MLX loop on the model's thread (after load)."""
@@ -171,7 +189,7 @@ class MLXModel:
                 return
             cache = job.make_cache() if job.make_cache else make_prompt_cache(self.model)
             self.batch_size, self.cache_bytes = 1, _nbytes(cache)
-            sampler, processors = make_sampling(job.gen, job.history, self.vocab_size)
+            sampler, processors = make_sampling(job.gen, job.history, self.vocab_size, job.grammar)
             lead = _LeadingSpace(self.tokenizer)
             fed = [*job.history, *job.tokens]
             for r in stream_generate(self.model, self.tokenizer, job.tokens, max_tokens=job.gen.max_tokens,
@@ -234,7 +252,7 @@ class _Batch:
             return
         try:
             cache = job.make_cache() if job.make_cache else None
-            sampler, processors = make_sampling(job.gen, [], self.m.vocab_size)
+            sampler, processors = make_sampling(job.gen, [], self.m.vocab_size, job.grammar)
             (uid,) = self.gen.insert([job.tokens], max_tokens=[job.gen.max_tokens], caches=[cache],
                                      all_tokens=[list(job.history)], samplers=[sampler],
                                      logits_processors=[processors])
@@ -303,6 +321,26 @@ def _finish(job: Job, tokens: list[int] | None, cache: list | None) -> None:
         log.exception("on_finished failed")
     finally:
         job.emit(None)
+
+
+def _harmony_stops(tokenizer) -> None:
+    """gpt-oss ends a turn with <|return|> or <|call|>; its config.json names only <|return|> as EOS."""
+    vocab = tokenizer.vocab
+    if "<|return|>" in vocab and "<|call|>" in vocab:
+        for t in ("<|return|>", "<|call|>"):
+            tokenizer.add_eos_token(t)
+
+
+def _grammar_compiler(tokenizer, vocab_size: int):
+    """The model's GrammarCompiler (about a second to build), or None where llguidance is not installed: a request
+    with a grammar is then refused with a 400."""
+    try:
+        from backends.grammar import GrammarCompiler
+
+        return GrammarCompiler(tokenizer._tokenizer, vocab_size, list(tokenizer.eos_token_ids))
+    except ImportError:
+        log.warning("llguidance is not installed: JSON mode and structured outputs are refused")
+        return None
 
 
 def _nbytes(cache: list) -> int:

@@ -90,6 +90,8 @@ class DecodeService:
         m, ids, kv_tokens, gen = self._parse(body)
         if m.failure is not None:
             raise NodeError(503, m.failure, "engine_dead")
+        # Compiling a grammar takes milliseconds (cached after): off the event loop; a bad schema is a 400 here.
+        grammar = await asyncio.get_running_loop().run_in_executor(None, m.grammar_for, gen, ids)
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         if rid in self.receiver.transfers:
             raise NodeError(409, f"request_id {rid!r} is already in flight on this node", "duplicate_request")
@@ -109,7 +111,7 @@ class DecodeService:
             kv, arrived = await self._await_kv(transfer, kv_tokens - p)
             done = replace(arrived, prompt_tokens=len(ids), prefix_tokens=p,
                            computed_tokens=len(ids) - arrived.kv_tokens - p)
-            await self._stream(resp, m, self._job(m, ids, kv, gen, prefix), done, t0)
+            await self._stream(resp, m, self._job(m, ids, kv, gen, prefix, grammar), done, t0)
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("request %s: client went away", rid)
             raise
@@ -119,7 +121,7 @@ class DecodeService:
                 self.receiver.forget(rid)
         return resp
 
-    def _job(self, m: MLXModel, ids: list[int], kv, gen: Sampling, prefix=None) -> Job:
+    def _job(self, m: MLXModel, ids: list[int], kv, gen: Sampling, prefix=None, grammar=None) -> Job:
         """The MLX job for a prompt: the held prefix and the received KV after it become its initial cache, and
         only the tokens after them run. When it ends its cache goes to the prefix store."""
         start = (prefix.tokens if prefix is not None else 0) + (kv.keys.shape[2] if kv is not None else 0)
@@ -131,7 +133,7 @@ class DecodeService:
                 hook(m.model_id, toks, cache)
         return Job(tokens=ids[start:], gen=gen, emit=None, history=ids[:start],
                    make_cache=None if start == 0 else (lambda: m.prompt_cache(prefix, kv)),
-                   on_finished=finished if m.prefixes.enabled or hook is not None else None)
+                   on_finished=finished if m.prefixes.enabled or hook is not None else None, grammar=grammar)
 
     async def _await_kv(self, transfer, kv_tokens: int):
         """(the received KV or None, a done line carrying how it arrived or why not)."""

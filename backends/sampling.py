@@ -26,10 +26,11 @@ def parse_sampling(body: dict, vocab_size: int | None = None) -> Sampling:
     return s
 
 
-def make_sampling(gen: Sampling, history: list[int], vocab_size: int):
+def make_sampling(gen: Sampling, history: list[int], vocab_size: int, grammar=None):
     """(sampler, logits_processors) for mlx-lm's stream_generate or BatchGenerator. `history`: prompt tokens the
     generator will not see (their KV came from prefill), so penalties look at the same window on every path; pass []
-    to BatchGenerator, which takes them as all_tokens. A seeded sampler has its own key. MLX thread only."""
+    to BatchGenerator, which takes them as all_tokens. A seeded sampler has its own key. `grammar`: the request's
+    GrammarProcessor, applied last (after penalties and bias) so nothing can re-allow a masked token. MLX thread only."""
     import mlx.core as mx
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -49,6 +50,8 @@ def make_sampling(gen: Sampling, history: list[int], vocab_size: int):
     if processors and history:
         prefix = mx.array(history[-PENALTY_CONTEXT:])
         processors = [_with_history(p, prefix) for p in processors]
+    if grammar is not None:
+        processors = [*processors, grammar]
     return sampler, processors
 
 

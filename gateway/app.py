@@ -31,14 +31,14 @@ MAX_BODY_BYTES = 32 << 20  # long prompts are large JSON; aiohttp's 1 MiB defaul
 
 async def list_models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    data = [_model_card(m.id, st.created) for m in st.settings.models]
+    data = [_model_card(name, st.created) for m in st.settings.models for name in m.names]  # aliases too
     return web.json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    route = st.route(request.match_info["model"])
-    return web.json_response(_model_card(route.id, st.created))
+    st.route(request.match_info["model"])  # an unknown name is a 404 in OpenAI's shape
+    return web.json_response(_model_card(request.match_info["model"], st.created))
 
 
 def _model_card(model_id: str, created: int) -> dict:
@@ -91,7 +91,7 @@ def _openai_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
     app.router.add_post("/chat/completions", chat_completions)
     app.router.add_post("/completions", completions)
     app.router.add_get("/models", list_models)
-    app.router.add_get("/models/{model}", get_model)
+    app.router.add_get("/models/{model:.+}", get_model)  # ids may hold slashes (aliases)
     return app
 
 

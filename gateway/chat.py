@@ -5,10 +5,13 @@ check the context budget, then relay n choices as a `chat.completion` or as `cha
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from aiohttp import web
 
 from .metrics import RequestRecord
+from .output import tool_parser_name
+from .reasoning import parser_name, template_kwargs
 from .responses import ChatRenderer, OpenAIFraming
 from .schemas import parse_chat_request, resolve_max_tokens
 from .serving import STATE, GatewayState, endpoint, read_body, run, sampling_for
@@ -25,12 +28,16 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     req.check(tok.vocab_size, tok.supports_tools)
     # Tokenizing a long prompt takes milliseconds; keep it off the event loop (tokenizers releases the GIL).
     loop = asyncio.get_running_loop()
-    prompt = await loop.run_in_executor(None, tok.encode_chat, req.messages_as_dicts(), req.tools or None)
+    reasoning = parser_name(route.reasoning_parser, tok.model_type)
+    kwargs = {**template_kwargs(reasoning or "", req.reasoning_effort), **(req.chat_template_kwargs or {})}
+    prompt = await loop.run_in_executor(None, tok.encode_chat, req.messages_as_dicts(), req.tools or None, kwargs)
     # An upstream gets the messages; tools it would not see, so such requests stay in the cluster.
     inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
-    sampling = sampling_for(req, max_tokens, req.top_alternatives())
-    renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs))
+    sampling = replace(sampling_for(req, max_tokens, req.top_alternatives()), grammar=req.grammar())
+    tools = tool_parser_name(route.tool_parser, tok.model_type) if req.tools and req.tool_choice != "none" else None
+    renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs), reasoning,
+                            tools, req.tools)
     return await run(request, st, rec, route, Prompt(prompt, inp), sampling, req.choices(), bool(req.stream),
                      OpenAIFraming(renderer))
 

@@ -5,6 +5,7 @@ a list of token ids, or a list holding one of those; `echo` and `suffix` are ref
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -29,7 +30,7 @@ async def _completions(request: web.Request, st: GatewayState, rec: RequestRecor
         ids, inp = list(prompt), None  # token-id prompts cannot go upstream: another model has another vocabulary
     max_tokens = resolve_max_tokens(req, len(ids), route.max_model_len, default=DEFAULT_COMPLETION_MAX_TOKENS,
                                     param="prompt")
-    sampling = sampling_for(req, max_tokens, req.logprobs)
+    sampling = replace(sampling_for(req, max_tokens, req.logprobs), grammar=req.grammar())
     renderer = CompletionRenderer(req.model, st.pieces(route.id), req.include_usage(), req.logprobs is not None)
     return await run(request, st, rec, route, Prompt(ids, inp), sampling, req.choices(), bool(req.stream),
                      OpenAIFraming(renderer))

@@ -143,7 +143,9 @@ class Resumable:
         broken = self.gen
         self._carry = self._held_text()
         stops = self.sampling.stop
-        sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.ids), stop=[])
+        # A grammar goes on from where it stopped: the new node feeds it the tokens generated so far first.
+        sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(self.ids), stop=[],
+                           grammar_generated=len(self.ids) if self.sampling.grammar else 0)
         prompt = [*self.prompt, *self.ids]
         fallbacks = [*broken.fallbacks, Fallback.DECODE_FAILOVER]
         gen = await self._reopen(prompt, sampling, self._tried, fallbacks)

@@ -153,13 +153,16 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": VERSION})
 
 
-def _summary(card: ModelCard) -> dict:
-    return {"name": card.id, "model": card.id, "size": card.size, "digest": card.digest, "details": card.details}
+def _summary(card: ModelCard, name: str | None = None) -> dict:
+    name = name or card.id
+    return {"name": name, "model": name, "size": card.size, "digest": card.digest, "details": card.details}
 
 
 async def tags(request: web.Request) -> web.Response:
-    cards = request.app[CARDS]
-    return web.json_response({"models": [{**_summary(c), "modified_at": c.modified_at} for c in cards.values()]})
+    """Every name a model answers to: its id and its aliases (config.toml), the same card under each."""
+    st, cards = request.app[STATE], request.app[CARDS]
+    return web.json_response({"models": [{**_summary(cards[m.id], name), "modified_at": cards[m.id].modified_at}
+                                         for m in st.settings.models for name in m.names]})
 
 
 async def ps(request: web.Request) -> web.Response:

@@ -18,10 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import DoneLine as Done
-from kv_bridge.protocol import Sampling
+from kv_bridge.protocol import Sampling, json_grammar
 
 from .chat import GatewayState
 from .errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from .output import OutputParser, tool_parser_name
+from .reasoning import parser_name, template_kwargs
 from .upstream import UpstreamInput
 
 # Ollama's documented defaults. Its repeat_penalty default (1.1) is not applied unless asked for: it would make
@@ -96,6 +98,7 @@ class Job:
     upstream: UpstreamInput | None = None  # what an upstream gets instead of `prompt` (None: cannot go there)
     context: bool = False  # answer with `context` (generate, not raw)
     load_reason: str = "load"
+    output: OutputParser | None = None  # splits thinking, answer and tool calls; None: all text is the answer
 
 
 @dataclass
@@ -176,12 +179,34 @@ def _validate(cls: type[_Body], body: Any) -> _Body:
 
 def _refuse_unsupported(body: _Body, name: str, images: bool) -> None:
     """Ollama answers 400 when a model lacks a capability; a format we cannot enforce is refused, not ignored."""
-    if body.format not in (None, ""):
-        raise InvalidRequest("format (JSON mode / structured outputs) is not supported by this server")
-    if body.think:
-        raise InvalidRequest(f'"{name}" does not support thinking')
+    if body.format not in (None, "", "json") and not isinstance(body.format, dict):
+        raise InvalidRequest(f'invalid format: {body.format!r}: use "json" or a JSON schema object')
     if images:
         raise InvalidRequest(f'"{name}" does not support images')
+
+
+def _output(body: _Body, route: ModelRoute, st: GatewayState, tools: list | None = None) -> tuple[Any, dict]:
+    """(the request's OutputParser or None, template kwargs for `think`); `think` on a model that does not
+    reason is Ollama's 400."""
+    model_type = st.tokenizers[route.id].model_type
+    name = parser_name(route.reasoning_parser, model_type)
+    if name is None and body.think:
+        raise InvalidRequest(f'"{body.model}" does not support thinking')
+    tool_name = tool_parser_name(route.tool_parser, model_type) if tools else None
+    try:
+        kwargs = template_kwargs(name, None, body.think) if name else {}
+    except ValueError as e:
+        raise InvalidRequest(f"invalid think value: {e}") from None
+    if name is None and tool_name is None:
+        return None, kwargs
+    return OutputParser(name, tool_name, tools), kwargs
+
+
+def _grammar(fmt: str | dict | None) -> dict | None:
+    """Ollama's format as the protocol's grammar: "json" is any JSON object, a dict is a JSON schema."""
+    if isinstance(fmt, dict):
+        return json_grammar(fmt)
+    return json_grammar() if fmt == "json" else None
 
 
 def _is_unload(keep_alive: float | str | None) -> bool:
@@ -255,10 +280,12 @@ async def parse_generate(request: web.Request, st: GatewayState, vocab_sizes: di
         msgs = [{"role": "system", "content": body.system}] if body.system else []
         msgs.append({"role": "user", "content": body.prompt or ""})
         history = _check_context(body.context or [], vocab_sizes.get(route.id))
-        job.prompt = history + await _encode(tok.encode_chat, msgs)
+        job.output, kwargs = _output(body, route, st)
+        job.prompt = history + await _encode(tok.encode_chat, msgs, None, kwargs)
         if not history:  # `context` is our token ids, which an upstream model cannot read
             job.upstream = UpstreamInput.chat(msgs)
-    job.sampling = build_sampling(body.options, len(job.prompt), route)
+    job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
+                                       grammar=_grammar(body.format))
     return job
 
 
@@ -274,31 +301,52 @@ async def parse_chat(request: web.Request, st: GatewayState) -> Job:
     body = _validate(ChatBody, await read_json(request))
     route = find_route(st, body.model)
     _refuse_unsupported(body, body.model, any(m.images for m in body.messages or []))
-    if body.tools:
+    tok = st.tokenizers[route.id]
+    if body.tools and not tok.supports_tools:
         raise InvalidRequest(f'"{body.model}" does not support tools')
     job = Job("chat", body.model, route, body.stream is not False)
     if not body.messages:
         job.load_reason = "unload" if _is_unload(body.keep_alive) else "load"
         return job
-    msgs = [{"role": m.role, "content": m.content or ""} for m in body.messages]
-    job.prompt = await _encode(st.tokenizers[route.id].encode_chat, msgs)
+    msgs = [_message(m) for m in body.messages]
+    job.output, kwargs = _output(body, route, st, body.tools)
+    job.prompt = await _encode(tok.encode_chat, msgs, body.tools or None, kwargs)
     job.upstream = UpstreamInput.chat(msgs)
-    job.sampling = build_sampling(body.options, len(job.prompt), route)
+    job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
+                                       grammar=_grammar(body.format))
     return job
 
 
-def chunk(job: Job, text: str) -> dict:
+def _message(m: ChatMessage) -> dict:
+    """A chat message for the template; an assistant's tool_calls go along (their arguments are objects)."""
+    calls = (m.model_extra or {}).get("tool_calls")
+    return {"role": m.role, "content": m.content or "", **({"tool_calls": calls} if calls else {})}
+
+
+def chunk(job: Job, text: str, last: bool = False) -> dict:
+    """One answer object; with a reasoning parser the text is split into `thinking` and the answer (`last`: the
+    parser's held-back tail goes out too)."""
+    thinking, calls = "", []
+    if job.output is not None:
+        d = job.output.feed(text)
+        if last:
+            rest = job.output.finish()
+            d = type(d)(d.reasoning + rest.reasoning, d.content + rest.content, d.calls + rest.calls)
+        text, thinking, calls = d.content, d.reasoning, [c.ollama() for c in d.calls]
+    extra = {**({"thinking": thinking} if thinking else {}), **({"tool_calls": calls} if calls else {})}
     out: dict[str, Any] = {"model": job.name, "created_at": now_rfc3339()}
     if job.kind == "chat":
-        out["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", "content": text, **extra}
     else:
         out["response"] = text
+        if thinking:
+            out["thinking"] = thinking
     out["done"] = False
     return out
 
 
 def final(job: Job, text: str, done: Done, clock: Clock, generated: list[int]) -> dict:
-    out = chunk(job, text)
+    out = chunk(job, text, last=True)
     out.update(done=True, done_reason=done.finish_reason)
     if job.context:
         out["context"] = [*(job.prompt or []), *generated]

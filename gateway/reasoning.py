@@ -168,6 +168,15 @@ def template_kwargs(parser: str, reasoning_effort: str | None = None, think: boo
 
 
 REASONING_PARSERS = {"harmony": HarmonyParser, "think": ThinkParser}
+# A model family's default (config.toml `reasoning_parser` overrides it; "none": no split). qwen3_moe has none:
+# qwen3-coder does not think, and a Qwen3 MoE that does names "think" in its config.
+FAMILY_REASONING = {"gpt_oss": "harmony", "qwen3": "think"}
+
+
+def parser_name(configured: str | None, model_type: str | None) -> str | None:
+    """The reasoning parser a model's output goes through, or None."""
+    name = configured if configured is not None else FAMILY_REASONING.get(model_type or "")
+    return None if name in (None, "none") else name
 
 
 def reasoning_parser(name: str, **kwargs):

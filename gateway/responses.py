@@ -19,6 +19,7 @@ from kv_bridge.protocol import DoneLine
 from kv_bridge.protocol import TokenLine as Token
 
 from .errors import APIError
+from .output import OutputParser, Parts
 from .relay import Framing, sse
 from .schemas import usage
 
@@ -142,9 +143,32 @@ class _Renderer:
 class ChatRenderer(_Renderer):
     object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, model: str, pieces: TokenPieces, include_usage: bool, logprobs: bool) -> None:
+    def __init__(self, model: str, pieces: TokenPieces, include_usage: bool, logprobs: bool,
+                 reasoning: str | None = None, tools: str | None = None, tool_list: list[dict] | None = None) -> None:
         super().__init__(model, pieces, include_usage)
         self.logprobs = logprobs
+        # Parser names (gateway.reasoning, gateway.toolcalls); both None: all text is content, as it comes.
+        self.reasoning, self.tools, self.tool_list = reasoning, tools, tool_list
+        self._parsers: dict[int, OutputParser] = {}
+
+    @property
+    def splits(self) -> bool:
+        return self.reasoning is not None or self.tools is not None
+
+    def _parser(self, index: int) -> OutputParser:
+        if index not in self._parsers:
+            self._parsers[index] = OutputParser(self.reasoning, self.tools, self.tool_list)
+        return self._parsers[index]
+
+    @staticmethod
+    def _parts(p: Parts, first_call: int = 0) -> dict:
+        """Parsed parts as message fields: reasoning under both names clients read (vLLM's old and new)."""
+        out: dict = {"reasoning_content": p.reasoning, "reasoning": p.reasoning} if p.reasoning else {}
+        if p.content:
+            out["content"] = p.content
+        if p.calls:
+            out["tool_calls"] = [c.openai(first_call + i) for i, c in enumerate(p.calls)]
+        return out
 
     def _delta(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
         return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
@@ -153,25 +177,44 @@ class ChatRenderer(_Renderer):
         return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(n)]
 
     def token(self, index: int, tok: Token) -> dict | None:
+        delta = {"content": tok.text} if not self.splits else self._feed(index, tok.text, last=False)
         if self.logprobs:  # every token gets its chunk, even one whose text is still held back
-            return self._delta(index, {"content": tok.text}, {"content": [chat_item(self.pieces, tok)]})
-        if not tok.text:  # a token that ends mid-codepoint has no text yet; the next one carries it
+            return self._delta(index, delta, {"content": [chat_item(self.pieces, tok)]})
+        if not any(delta.values()):  # a token that ends mid-codepoint (or a marker) has no text yet
             return None
-        return self._delta(index, {"content": tok.text})
+        return self._delta(index, delta)
+
+    def _feed(self, index: int, text: str, last: bool, stopped: bool = True) -> dict:
+        p = self._parser(index)
+        first = p.calls
+        return self._parts(p.finish(stopped) if last else p.feed(text), first)
 
     def finish(self, index: int, reason: str) -> dict:
-        return self._delta(index, {}, None, reason)
+        rest = {} if not self.splits else self._feed(index, "", True, reason == "stop")
+        if self.splits and self._parser(index).calls and reason == "stop":
+            reason = "tool_calls"
+        return self._delta(index, rest, None, reason)
+
+    def _message(self, r: ChoiceResult) -> tuple[dict, str]:
+        if not self.splits:
+            return {"role": "assistant", "content": r.text}, r.finish_reason
+        p = OutputParser(self.reasoning, self.tools, self.tool_list).whole(r.text, r.finish_reason == "stop")
+        msg: dict = {"role": "assistant", "content": p.content or (None if p.calls else "")}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = msg["reasoning"] = p.reasoning or None
+        if p.calls:
+            msg["tool_calls"] = [{k: v for k, v in c.openai(i).items() if k != "index"} for i, c in enumerate(p.calls)]
+        return msg, "tool_calls" if p.calls and r.finish_reason == "stop" else r.finish_reason
 
     def body(self, results: list[ChoiceResult], use: dict) -> dict:
-        choices = [
-            {
-                "index": r.index,
-                "message": {"role": "assistant", "content": r.text},
+        choices = []
+        for r in results:
+            msg, finish = self._message(r)
+            choices.append({
+                "index": r.index, "message": msg,
                 "logprobs": {"content": [chat_item(self.pieces, t) for t in r.tokens]} if self.logprobs else None,
-                "finish_reason": r.finish_reason,
-            }
-            for r in results
-        ]
+                "finish_reason": finish,
+            })
         return {**self._head(self.object), "choices": choices, "usage": use}
 
 

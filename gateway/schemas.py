@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kv_bridge.protocol import json_grammar
+
 from .errors import ContextLengthExceeded, InvalidRequest
 
 DEFAULT_MAX_TOKENS = 256
@@ -37,9 +39,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = False
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> dict | None:
+        """The protocol's grammar (the decode node compiles it and masks what would break it)."""
+        if self.type == "json_object":
+            return json_grammar()
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequest("response_format json_schema needs a json_schema object with a schema",
+                                     param="response_format.json_schema")
+            return json_grammar(self.json_schema.schema_, bool(self.json_schema.strict))
+        return None
 
 
 Penalty = Field(default=None, ge=-2.0, le=2.0)
@@ -91,15 +112,15 @@ class GenerationRequest(BaseModel):
 
     def check(self, vocab_size: int) -> None:
         """Rules that span fields or need the model; raises InvalidRequest naming the param."""
-        fmt = self.response_format
-        if fmt is not None and fmt.type != "text":
-            raise InvalidRequest(
-                f"response_format type {fmt.type!r} is not supported: this server has no constrained decoding; "
-                "use {\"type\": \"text\"} and ask for JSON in the prompt", param="response_format")
+        self.grammar()
         bad = [k for k in (self.logit_bias or {}) if int(k) >= vocab_size]
         if bad:
             raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
                                  param="logit_bias")
+
+    def grammar(self) -> dict | None:
+        """response_format as the protocol's grammar (None: free text)."""
+        return None if self.response_format is None else self.response_format.grammar()
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -119,6 +140,8 @@ class ChatRequest(GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: extra variables for the chat template
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check(self, vocab_size: int, supports_tools: bool = False) -> None:
         super().check(vocab_size)
@@ -129,7 +152,7 @@ class ChatRequest(GenerationRequest):
                                  param="tools")
         choice = self.tool_choice
         if choice not in (None, "none", "auto"):
-            why = "requires tools" if not self.tools else "is not supported (no constrained decoding); use 'auto'"
+            why = "requires tools" if not self.tools else "is not supported (a call cannot be forced yet); use 'auto'"
             raise InvalidRequest(f"tool_choice {choice!r} {why}", param="tool_choice")
 
     def top_alternatives(self) -> int | None:
@@ -137,7 +160,25 @@ class ChatRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def messages_as_dicts(self) -> list[dict]:
-        return [m.model_dump(exclude_none=False) for m in self.messages]
+        """The messages for the chat template; assistant tool_calls' arguments as objects (templates iterate them,
+        as vLLM passes them)."""
+        return [_arguments_as_objects(m.model_dump(exclude_none=False)) for m in self.messages]
+
+
+def _arguments_as_objects(msg: dict) -> dict:
+    calls = msg.get("tool_calls")
+    if not isinstance(calls, list):
+        return msg
+    out = []
+    for call in calls:
+        fn = (call or {}).get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:
+                raise InvalidRequest("tool_calls arguments must be a JSON object text", param="messages") from None
+        out.append(call)
+    return {**msg, "tool_calls": out}
 
 
 class CompletionRequest(GenerationRequest):
@@ -171,7 +212,7 @@ class CompletionRequest(GenerationRequest):
         return p[0] if isinstance(p, list) and p and isinstance(p[0], (str, list)) else p
 
 
-_MODELS = (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, ResponseFormat)
+_MODELS = (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, ResponseFormat, JsonSchemaFormat)
 _FIELD_NAMES = {name for m in _MODELS for name in m.model_fields}
 
 

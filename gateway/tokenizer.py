@@ -93,6 +93,9 @@ def message_text(content: Any) -> str:
     return "\n".join(part["text"] for part in content)
 
 
+_TEMPLATE_ARGS = {"messages", "tools", "documents", "add_generation_prompt"}  # the request's own, never overridden
+
+
 class ChatTokenizer:
     """One model's tokenizer plus chat template; `encode_chat(messages)` gives the prompt ids nodes expect."""
 
@@ -101,6 +104,7 @@ class ChatTokenizer:
         self.template_source = template_source
         self._template = compile_template(template_source)
         self.special_tokens = dict(special_tokens)
+        self.model_type: str | None = None  # config.json's model_type, when the folder has one
 
     @property
     def supports_tools(self) -> bool:
@@ -127,7 +131,11 @@ class ChatTokenizer:
         cfg_file = folder / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
         special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
-        return cls(Tokenizer.from_file(str(tok_file)), _template_source(folder, config), special)
+        tok = cls(Tokenizer.from_file(str(tok_file)), _template_source(folder, config), special)
+        model_cfg = folder / "config.json"
+        if model_cfg.is_file():  # the family picks the default reasoning parser
+            tok.model_type = json.loads(model_cfg.read_text(encoding="utf-8")).get("model_type")
+        return tok
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                **kwargs: Any) -> str:
@@ -145,8 +153,15 @@ class ChatTokenizer:
         # The template already wrote every special token, so the tokenizer must not add its own.
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.encode(self.render(messages, tools=tools))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt ids; `template_kwargs` (a request's chat_template_kwargs, e.g. enable_thinking) reach the
+        template as variables."""
+        kwargs = template_kwargs or {}
+        reserved = sorted(set(kwargs) & _TEMPLATE_ARGS)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+        return self.encode(self.render(messages, tools=tools, **kwargs))
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw completion prompt: no template, so the tokenizer adds its own special tokens (e.g. BOS)."""

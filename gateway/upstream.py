@@ -111,7 +111,17 @@ def _request_kwargs(cfg: UpstreamConfig, sampling: Sampling) -> dict:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(sampling, name):
             kw[name] = getattr(sampling, name)
+    if sampling.grammar is not None:  # the upstream constrains its own output (litellm maps it per provider)
+        kw["response_format"] = _response_format(sampling.grammar)
     return kw
+
+
+def _response_format(grammar: dict) -> dict:
+    """The protocol's grammar as OpenAI's response_format."""
+    if grammar.get("type") != "json_schema":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "response", "schema": grammar["schema"],
+                                                   "strict": bool(grammar.get("strict"))}}
 
 
 class _Upstream:

@@ -83,8 +83,19 @@ class ModelRoute(BaseModel):
                                      "model in flight at the gateway; more are answered 429 (None: no limit)")
     upstream: UpstreamConfig | None = Field(default=None, description="where requests go when no decode node can "
                                             "serve (litellm); None: answer 503")
-    aliases: list[str] = Field(default_factory=list, description="other names clients may send for this model "
-                               "(e.g. the hub id); unique across every model's id and aliases")
+    aliases: list[str] = Field(default_factory=list, description="other names clients use for this model, e.g. "
+                               '"openai/gpt-oss-120b"; each works on both APIs and is listed by /v1/models, /api/tags')
+    reasoning_parser: Literal["harmony", "think", "none"] | None = Field(
+        default=None, description='how output splits into reasoning and content; default by model family '
+        '(gpt_oss: "harmony", qwen3: "think", others "none")')
+    tool_parser: Literal["hermes", "qwen3_coder", "harmony", "none"] | None = Field(
+        default=None, description='how tool calls are read from the output; default by model family (gpt_oss: '
+        '"harmony", qwen3_moe: "qwen3_coder", qwen3: "hermes", others "none")')
+
+    @property
+    def names(self) -> list[str]:
+        """The id first, then its aliases: every name a client may send."""
+        return [self.id, *self.aliases]
 
 
 class UpstreamConfig(BaseModel):
@@ -340,11 +351,11 @@ class Settings(BaseSettings):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"node names must be unique; repeated: {sorted(dup)}")
-        by_name = {n.name: n for n in self.nodes}
-        names = [name for m in self.models for name in (m.id, *m.aliases)]
-        dup = {n for n in names if names.count(n) > 1}
+        model_names = [name for m in self.models for name in m.names]
+        dup = {n for n in model_names if model_names.count(n) > 1}
         if dup:
             raise ValueError(f"model ids and aliases must be unique across [[models]]; repeated: {sorted(dup)}")
+        by_name = {n.name: n for n in self.nodes}
         for m in self.models:
             for pool, role in ((m.prefill, "prefill"), (m.decode, "decode")):
                 for name in pool:
@@ -362,7 +373,8 @@ class Settings(BaseSettings):
         raise ConfigError(f"no node named {name!r} in config.toml; known: {[n.name for n in self.nodes]}")
 
     def route(self, model_id: str) -> ModelRoute | None:
-        return next((m for m in self.models if m.id == model_id), None)
+        """The model a client names by its id or one of its aliases."""
+        return next((m for m in self.models if model_id in m.names), None)
 
 
 def _config_path() -> Path:

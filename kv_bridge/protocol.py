@@ -62,6 +62,9 @@ class Sampling:
     repetition_penalty: float = 1.0  # 1: off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> additive bias
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs at all
+    # Constrained decoding: None, {"type": "json_object"} or {"type": "json_schema", "schema": {...}, "strict": b}.
+    grammar: dict | None = None
+    grammar_generated: int = 0  # the prompt's last N tokens were generated under `grammar` (a resumed generation)
 
     def to_json(self) -> dict:
         """The body fields (JSON object keys are strings: logit_bias token ids go as decimal strings)."""
@@ -84,7 +87,8 @@ class Sampling:
                     presence_penalty=num("presence_penalty", 0.0), frequency_penalty=num("frequency_penalty", 0.0),
                     repetition_penalty=num("repetition_penalty", 1.0),
                     logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
-                    logprobs=num("logprobs", None, int))
+                    logprobs=num("logprobs", None, int), grammar=body.get("grammar") or None,
+                    grammar_generated=num("grammar_generated", 0, int))
         except (TypeError, ValueError, AttributeError) as e:
             raise ProtocolError(f"bad sampling parameter: {e}") from None
         p.check()
@@ -107,6 +111,8 @@ class Sampling:
              "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"logprobs in [0, {MAX_TOP_LOGPROBS}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop is a list of non-empty strings"),
+            (grammar_ok(self.grammar), 'grammar is {"type": "json_object"} or {"type": "json_schema", "schema": {}}'),
+            (self.grammar_generated >= 0, "grammar_generated >= 0"),
         ]
         broken = [what for ok, what in rules if not ok]
         if broken:
@@ -116,6 +122,22 @@ class Sampling:
         bad = [t for t in self.logit_bias if t >= vocab_size]
         if bad:
             raise ProtocolError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+
+
+def json_grammar(schema: dict | None = None, strict: bool = False) -> dict:
+    """The wire form of a JSON constraint: any JSON object (schema None) or one that validates against `schema`."""
+    if schema is None:
+        return {"type": "json_object"}
+    return {"type": "json_schema", "schema": schema, "strict": strict}
+
+
+def grammar_ok(grammar) -> bool:
+    if grammar is None:
+        return True
+    if not isinstance(grammar, dict):
+        return False
+    kind = grammar.get("type")
+    return kind == "json_object" or (kind == "json_schema" and isinstance(grammar.get("schema"), dict))
 
 
 @dataclass

@@ -108,6 +108,7 @@ class FakeDecodeNode(FakeNode):
         self.token_delay = 0.0
         self.break_after = 2
         self.continues = False
+        self.skip_special = True  # decoded text leaves special tokens out (SmolLM2's reply has none)
         self.held_prefix = 0  # leading prompt tokens whose KV this node claims to hold (its kv_start, capped)
         self.requests: list[dict] = []
         self.aborts: list[str] = []
@@ -126,6 +127,13 @@ class FakeDecodeNode(FakeNode):
         t.delivered = tokens
         t.event.set()
         return True
+
+    def speak(self, folder: Path, reply: str) -> None:
+        """Answer `reply` as token ids of the tokenizer in `folder` (a family tokenizer: harmony, <think>), its
+        special tokens streamed as text as mlx-lm's detokenizer streams them."""
+        self.tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        self.reply_ids = self.tok.encode(reply, add_special_tokens=False).ids
+        self.skip_special = False
 
     def reply_text(self, max_tokens: int) -> str:
         return self.tok.decode(self.reply_ids[:max_tokens])
@@ -210,7 +218,8 @@ class FakeDecodeNode(FakeNode):
                 request.transport.close()
                 return
             # Per-token text is the growth of the decoded prefix, as a real detokenizer streams it.
-            text, hit = stops.feed(self.tok.decode(out[: i + 1])[len(self.tok.decode(out[:i])):])
+            dec = lambda ids: self.tok.decode(ids, skip_special_tokens=self.skip_special)  # noqa: E731
+            text, hit = stops.feed(dec(out[: i + 1])[len(dec(out[:i])):])
             if i == len(out) - 1 and not hit:
                 text += stops.flush()
             await self._write(resp, {"type": "token", "token_id": tid, "text": text, **fake_logprobs(body, i, tid)})

@@ -309,3 +309,19 @@ async def test_every_decode_node_over_its_kv_cap_answers_429(make_cluster):
     assert await fallbacks(c, "decode_node_busy") == 1 and await fallbacks(c, "no_capacity") == 1
     status, _, _ = await c.chat(chat_body("hi", max_tokens=2))  # below the split threshold: no KV, served
     assert status == 200
+
+
+async def test_upstream_gets_the_format(make_cluster):
+    """JSON mode and schemas go upstream as OpenAI's response_format (litellm maps it per provider)."""
+    c = await make_cluster(upstream=True)
+    c.decode.down = True
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    status, headers, _ = await c.chat(chat_body(max_tokens=8, response_format=fmt))
+    assert status == 200 and headers["x-disagg-path"] == "upstream"
+    sent = c.upstream.requests[-1]["response_format"]
+    assert sent["type"] == "json_schema" and sent["json_schema"]["schema"] == schema
+    assert sent["json_schema"]["strict"] is True
+    status, _, _ = await c.post("/api/chat", {"model": MODEL_ID, "stream": False, "format": "json",
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and c.upstream.requests[-1]["response_format"] == {"type": "json_object"}

@@ -160,3 +160,16 @@ async def test_no_other_node_keeps_the_error_event(pair):
     assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2]
     assert content(events[:-2]) == pair.decoders[0].reply_text(2)
     assert await failovers(pair) == 0
+
+
+async def test_a_constrained_generation_resumes_its_grammar(pair):
+    """JSON mode across a failover: the continuation names how many of its prompt tokens were generated under the
+    grammar, so the new node's processor consumes them before it masks."""
+    body = chat_body(max_tokens=MAX_TOKENS, temperature=0, response_format={"type": "json_object"})
+    pair.decoders[0].mode, pair.decoders[0].break_after = "fail_mid_stream", 3
+    status, _, out = await pair.chat(body)
+    assert status == 200 and out["choices"][0]["message"]["content"] == REPLY
+    first, cont = pair.decoders[0].requests[-1], pair.decoders[1].requests[-1]
+    assert first["grammar"] == cont["grammar"] == {"type": "json_object"}
+    assert first["grammar_generated"] == 0
+    assert cont["grammar_generated"] == len(cont["token_ids"]) - len(first["token_ids"]) == 3

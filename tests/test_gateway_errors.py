@@ -123,7 +123,7 @@ async def test_unknown_route_and_method(cluster):
         assert_error(r.status, await r.json(), 405, code="method_not_allowed")
 
 @pytest.mark.parametrize("method,path,status", [
-    ("GET", "/v1", 404), ("GET", "/v1/", 404), ("GET", "/v1/models/a/b", 404), ("DELETE", "/v1/models", 405),
+    ("GET", "/v1", 404), ("GET", "/v1/", 404), ("GET", "/v1/chat/completions/x", 404), ("DELETE", "/v1/models", 405),
     ("GET", "/nope", 404), ("POST", "/health", 405), ("PUT", "/metrics", 405), ("POST", "/", 405),
 ])
 async def test_outside_ollama_api_unknown_paths_and_methods_are_openai_errors(cluster, method, path, status):

@@ -81,3 +81,19 @@ def test_missing_files_fail_with_fix(tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((MODEL_DIR / "tokenizer.json").read_bytes())
     with pytest.raises(ConfigError, match="chat_template"):
         ChatTokenizer.from_folder(tmp_path)
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, reference):
+    """Qwen3's template with enable_thinking false adds an empty think block; transformers renders the reference."""
+    (tmp_path / "tokenizer.json").write_bytes((MODEL_DIR / "tokenizer.json").read_bytes())
+    source = (MODEL_DIR.parent.parent / "tests" / "templates" / "qwen3.jinja").read_text()
+    (tmp_path / "chat_template.jinja").write_text(source)
+    tok = ChatTokenizer.from_folder(tmp_path)
+    msgs = CONVERSATIONS[0]
+    off = tok.encode_chat(msgs, template_kwargs={"enable_thinking": False})
+    assert off != tok.encode_chat(msgs)
+    text = reference.apply_chat_template(msgs, chat_template=source, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=False)
+    assert tok.render(msgs, enable_thinking=False) == text
+    assert off == reference.encode(text, add_special_tokens=False)
+    with pytest.raises(InvalidRequest, match="may not set messages"):
+        tok.encode_chat(msgs, template_kwargs={"messages": []})

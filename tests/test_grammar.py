@@ -143,3 +143,29 @@ def test_resumed_generation_continues_the_grammar(hf_tokenizer):
     assert not allowed[0, ids['"']].item() and not allowed[0, ids["{"]].item()
     with pytest.raises(GrammarError, match="do not fit"):
         compiler.processor(GrammarSpec(), generated=hf_tokenizer.encode("hello", add_special_tokens=False))
+
+
+def test_decode_node_builds_the_processor_from_the_protocol(hf_tokenizer):
+    """MLXModel.grammar_for: the wire grammar of Sampling, a resumed generation's generated tail consumed first, a
+    bad schema or a tail that breaks the grammar a 400 GrammarError, no grammar no processor."""
+    import mlx.core as mx
+
+    from backends.decode_engine import MLXModel
+    from fakes import MODEL_DIR
+    from kv_bridge.protocol import Sampling, json_grammar
+
+    m = MLXModel("m", str(MODEL_DIR))
+    m.grammars = GrammarCompiler(hf_tokenizer, 49152, [2])
+    prompt = hf_tokenizer.encode("Say JSON:", add_special_tokens=False)
+    tail = hf_tokenizer.encode('{"a": 1', add_special_tokens=False)
+    assert m.grammar_for(Sampling(), prompt) is None
+    proc = m.grammar_for(Sampling(grammar=json_grammar(), grammar_generated=len(tail)), prompt + tail)
+    allowed = proc(mx.array(prompt + tail), mx.zeros((1, 49152))) == 0
+    close = hf_tokenizer.encode("}", add_special_tokens=False)[0]
+    assert allowed[0, close].item()  # the object is open: "}" may follow
+    with pytest.raises(GrammarError) as e:  # a JSON object cannot start with "}"
+        m.grammar_for(Sampling(grammar=json_grammar(), grammar_generated=1), prompt + [close])
+    assert e.value.status == 400
+    with pytest.raises(GrammarError, match="schema"):
+        m.grammar_for(Sampling(grammar=json_grammar({"type": "integer", "minimum": 5, "maximum": 1}, strict=True)),
+                      prompt)

@@ -91,8 +91,8 @@ async def test_errors_raise_response_error(cluster):
         await call(oc.show, "llama3:8b")
     assert e.value.status_code == 404
     with pytest.raises(ollama.ResponseError) as e:
-        await call(oc.chat, MODEL_ID, messages=QUESTION, format="json")
-    assert e.value.status_code == 400 and "format" in e.value.error
+        await call(oc.chat, MODEL_ID, messages=QUESTION, think=True)
+    assert e.value.status_code == 400 and "does not support thinking" in e.value.error
 
 
 async def test_mid_stream_failure_raises(cluster):

@@ -53,8 +53,8 @@ async def test_model_required_and_unknown(cluster, path):
 
 
 @pytest.mark.parametrize(("patch", "needle"), [
-    ({"format": "json"}, "format"),
-    ({"format": {"type": "object", "properties": {"a": {"type": "string"}}}}, "format"),
+    ({"format": "xml"}, "format"),
+    ({"format": 5}, "format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
     ({"think": True}, "does not support thinking"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "does not support images"),
@@ -81,7 +81,7 @@ async def test_chat_bad_fields(cluster, patch, needle):
     ({"images": ["aGk="]}, "does not support images"),
     ({"context": [1, -5]}, "context"),
     ({"context": [10**9]}, "outside the vocabulary"),
-    ({"format": "json"}, "format"),
+    ({"format": "yaml"}, "format"),
 ])
 async def test_generate_bad_fields(cluster, patch, needle):
     status, _, body = await send(cluster, "POST", "/api/generate", {"model": MODEL_ID, "prompt": "hi", **patch})
@@ -174,3 +174,18 @@ def test_latest_tag_aliases():
     assert find_route(st, "smollm2:135m") == "b"
     with pytest.raises(ModelNotFound, match="model 'smollm2' not found"):
         find_route(st, "smollm2")
+
+
+@pytest.mark.parametrize(("fmt", "grammar"), [
+    ("json", {"type": "json_object"}),
+    ({"type": "object", "properties": {"a": {"type": "string"}}},
+     {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}, "strict": False}),
+    ("", None),
+])
+@pytest.mark.parametrize("path", ["/api/generate", "/api/chat"])
+async def test_format_reaches_the_decode_node(cluster, path, fmt, grammar):
+    body = chat(format=fmt, stream=False) if path == "/api/chat" else {"model": MODEL_ID, "prompt": "hi",
+                                                                       "format": fmt, "stream": False}
+    status, _, out = await send(cluster, "POST", path, body)
+    assert status == 200, out
+    assert cluster.decode.requests[-1]["grammar"] == grammar

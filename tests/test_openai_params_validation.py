@@ -34,8 +34,9 @@ BOTH = [
     ({"temperature": 2.1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format.json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
 ]
@@ -101,8 +102,8 @@ async def test_invalid_completions(cluster, patch, param):
 
 
 async def test_messages_say_why(cluster):
-    err = await assert_400(cluster, CHAT, {"response_format": {"type": "json_object"}}, "response_format")
-    assert "not supported" in err["message"] and "constrained decoding" in err["message"]
+    err = await assert_400(cluster, CHAT, {"response_format": {"type": "json_schema"}}, "response_format.json_schema")
+    assert "json_schema" in err["message"] and "schema" in err["message"]
     err = await assert_400(cluster, CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")
     assert "does not support tools" in err["message"]
     err = await assert_400(cluster, COMPLETIONS, {"echo": True}, "echo")
@@ -149,3 +150,22 @@ async def test_completions_context_length(empty_config):
 async def test_completions_unknown_model(cluster):
     status, _, body = await cluster.post(COMPLETIONS, {"model": "nope", "prompt": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("fmt", "grammar"), [
+    ({"type": "json_object"}, {"type": "json_object"}),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
+     {"type": "json_schema", "schema": SCHEMA, "strict": True}),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+     {"type": "json_schema", "schema": SCHEMA, "strict": False}),
+    ({"type": "text"}, None),
+])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_response_format_reaches_the_decode_node(cluster, path, fmt, grammar):
+    status, _, resp = await cluster.post(path, body_for(path, {"response_format": fmt}))
+    assert status == 200, resp
+    assert cluster.decode.requests[-1]["grammar"] == grammar
+    assert cluster.decode.requests[-1]["grammar_generated"] == 0

@@ -48,6 +48,8 @@ def _port_free(port: int) -> bool:
 
 
 def _toml_value(v) -> str:
+    if isinstance(v, dict):  # a nested table ([gateway.admission]) as an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return json.dumps(v)  # str/int/float/bool are spelled the same in JSON and TOML

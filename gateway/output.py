@@ -1,0 +1,65 @@
+"""One choice's generated text split for the client: reasoning, answer text and tool calls, streamed (feed per token
+text, then finish) through the model's reasoning parser and, when the request has tools, its tool-call parser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .reasoning import Delta, HarmonyParser, reasoning_parser
+from .toolcalls import ToolCall, tool_parser
+from .toolcalls.harmony import calls_from
+
+# A model family's default tool-call format (config.toml `tool_parser` overrides it; "none": no parsing).
+FAMILY_TOOLS = {"gpt_oss": "harmony", "qwen3_moe": "qwen3_coder", "qwen3": "hermes", "qwen2": "hermes"}
+
+
+def tool_parser_name(configured: str | None, model_type: str | None) -> str | None:
+    name = configured if configured is not None else FAMILY_TOOLS.get(model_type or "")
+    return None if name in (None, "none") else name
+
+
+@dataclass
+class Parts:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class OutputParser:
+    """`reasoning`: a reasoning parser's name or None; `tools`: a tool-call parser's name, None when the request
+    has no tools (calls are then left as text). harmony's calls come from the reasoning parser's messages."""
+
+    def __init__(self, reasoning: str | None, tools: str | None = None, tool_list: list[dict] | None = None):
+        self.reasoning = reasoning_parser(reasoning) if reasoning else None
+        self.harmony_calls = tools == "harmony"
+        self.tools = tool_parser(tools, tool_list) if tools and not self.harmony_calls else None
+        self.calls = 0  # calls released so far: the next one's OpenAI index
+
+    def feed(self, text: str) -> Parts:
+        return self._split(self.reasoning.feed(text) if self.reasoning else Delta(content=text), last=False)
+
+    def finish(self, stopped: bool = True) -> Parts:
+        """The held-back tail. `stopped`: the model ended its turn (an EOS token, whose text the node does not
+        send): a harmony message to a recipient still open then ended with <|call|>, not a cut-off."""
+        d = Delta()
+        r = self.reasoning
+        if stopped and isinstance(r, HarmonyParser) and r.state == "message" and r.recipient:
+            d = r.feed("<|call|>")
+        return self._split(d.add(r.finish()) if r else d, last=True)
+
+    def whole(self, text: str, stopped: bool = True) -> Parts:
+        a, b = self.feed(text), self.finish(stopped)
+        return Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
+
+    def _split(self, d: Delta, last: bool) -> Parts:
+        content, calls = d.content, []
+        if self.harmony_calls:
+            td = calls_from(d)
+            content, calls = td.content, td.calls
+        elif self.tools is not None:
+            td = self.tools.feed(content)
+            if last:
+                td = td.add(self.tools.finish())
+            content, calls = td.content, td.calls
+        self.calls += len(calls)
+        return Parts(d.reasoning, content, calls)

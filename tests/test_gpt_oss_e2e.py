@@ -1,0 +1,67 @@
+"""The tiny gpt_oss checkpoint (family tokenizer, gpt-oss chat template) on a real decode node (mlx-cpu) behind the
+real gateway: both APIs render the harmony prompt with the reasoning effort, and generation stops on harmony's
+end tokens <|return|> and <|call|> (config.json names only one as EOS). A random model emits no harmony by itself:
+logit_bias makes it say the end token; the parsing itself is tested with real token streams in
+test_reasoning_api.py and test_toolcalls_api.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from stack import MODEL_ID, Stack
+from tiny_models import build_family
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    folder = build_family("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "model")
+    s = Stack(tmp_path_factory.mktemp("oss-stack"), model_dir=folder)
+    try:
+        s.start("decode-0")  # no prefill node: the local path
+        s.start("gateway")
+        ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+        yield s, {t["content"]: t["id"] for t in ids}
+    finally:
+        s.stop()
+
+
+def post(s: Stack, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(s.url("gateway") + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("end", ["<|return|>", "<|call|>"])
+def test_generation_stops_on_harmony_end_tokens(oss, end):
+    s, ids = oss
+    status, body = post(s, "/v1/chat/completions", {
+        "model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0,
+        "reasoning_effort": "high", "logit_bias": {str(ids[end]): 100}})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 1
+    assert body["choices"][0]["message"]["content"] == ""  # the end token's text is not sent
+
+
+def test_both_apis_answer_with_the_harmony_template(oss):
+    s, _ = oss
+    status, body = post(s, "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 6, "temperature": 0,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+    assert "reasoning_content" in body["choices"][0]["message"]  # the model's family splits reasoning
+    status, body = post(s, "/api/chat", {"model": MODEL_ID, "stream": False, "think": "low",
+                                         "messages": [{"role": "user", "content": "hi"}],
+                                         "options": {"num_predict": 6, "temperature": 0}})
+    assert status == 200 and body["done"] and body["eval_count"] >= 1, body
+    status, body = post(s, "/api/generate", {"model": MODEL_ID, "stream": False, "prompt": "hi", "think": True,
+                                             "options": {"num_predict": 6, "temperature": 0}})
+    assert status == 200 and body["done"], body
