@@ -29,10 +29,12 @@ class GrammarError(NodeError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """What to constrain to: any JSON object (schema None) or a JSON schema; `strict` refuses unsupported keywords
-    instead of ignoring them. Wire form: {"type": "json_object"} | {"type": "json_schema", "schema", "strict"}."""
+    instead of ignoring them; or `lark`, a grammar in llguidance's Lark dialect (the gateway's forced tool calls).
+    Wire form: {"type": "json_object"} | {"type": "json_schema", "schema", "strict"} | {"type": "lark", "grammar"}."""
 
     schema: dict | None = None
     strict: bool = False
+    lark: str | None = None
 
     @classmethod
     def from_response_format(cls, rf: dict | None) -> "GrammarSpec | None":
@@ -61,18 +63,27 @@ class GrammarSpec:
         raise GrammarError(f"format must be \"json\" or a JSON schema object, not {fmt!r}")
 
     def to_wire(self) -> dict:
+        if self.lark is not None:
+            return {"type": "lark", "grammar": self.lark}
         if self.schema is None:
             return {"type": "json_object"}
         return {"type": "json_schema", "schema": self.schema, "strict": self.strict}
 
     @classmethod
     def from_wire(cls, value: dict | None) -> "GrammarSpec | None":
+        if value and value.get("type") == "lark":
+            return cls(lark=value.get("grammar"))
         return cls.from_response_format(value) if value else None
 
     def grammar(self) -> str:
         """The llguidance grammar text (raises GrammarError on a schema it cannot read)."""
         import llguidance
 
+        if self.lark is not None:
+            try:
+                return llguidance.grammar_from("lark", self.lark)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise GrammarError(f"cannot compile the grammar: {e}") from None
         schema = {"type": "object"} if self.schema is None else self.schema
         options = {**_JSON_OPTIONS, "lenient": not self.strict}
         try:
@@ -105,7 +116,8 @@ class GrammarCompiler:
         grammar = spec.grammar()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
-            raise GrammarError(f"cannot compile the JSON schema: {messages[0] if messages else 'invalid'}")
+            what = "grammar" if spec.lark is not None else "JSON schema"
+            raise GrammarError(f"cannot compile the {what}: {messages[0] if messages else 'invalid'}")
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > _CACHE_SIZE:

@@ -9,12 +9,14 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from .errors import InvalidRequest
 from .metrics import RequestRecord
 from .output import tool_parser_name
 from .reasoning import parser_name, template_kwargs
 from .responses import ChatRenderer, OpenAIFraming
 from .schemas import parse_chat_request, resolve_max_tokens
 from .serving import STATE, GatewayState, endpoint, read_body, run, sampling_for
+from .toolcalls.forced import forced_call_grammar
 from .upstream import Prompt, UpstreamInput
 
 __all__ = ["STATE", "GatewayState", "chat_completions"]
@@ -34,8 +36,14 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     # An upstream gets the messages; tools it would not see, so such requests stay in the cluster.
     inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
-    sampling = replace(sampling_for(req, max_tokens, req.top_alternatives()), grammar=req.grammar())
     tools = tool_parser_name(route.tool_parser, tok.model_type) if req.tools and req.tool_choice != "none" else None
+    grammar = req.grammar()
+    if forced := req.forced_tools():  # the call is masked into the model's own format (gateway/toolcalls/forced.py)
+        try:
+            grammar = forced_call_grammar(tools or "", forced, lambda t: tok.tokenizer.token_to_id(t) is not None)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="tool_choice") from None
+    sampling = replace(sampling_for(req, max_tokens, req.top_alternatives()), grammar=grammar)
     renderer = ChatRenderer(req.model, st.pieces(route.id), req.include_usage(), bool(req.logprobs), reasoning,
                             tools, req.tools)
     return await run(request, st, rec, route, Prompt(prompt, inp), sampling, req.choices(), bool(req.stream),

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kv_bridge.protocol import json_grammar
 
 from .errors import ContextLengthExceeded, InvalidRequest
+from .toolcalls.forced import allowed_tools
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's own default
@@ -150,10 +151,21 @@ class ChatRequest(GenerationRequest):
         if self.tools and not supports_tools:
             raise InvalidRequest("this model's chat template does not support tools; send the request without them",
                                  param="tools")
+        if self.forced_tools() and self.grammar() is not None:
+            raise InvalidRequest("a forced tool call (tool_choice 'required' or a named function) cannot be combined "
+                                 "with a response_format", param="tool_choice")
+
+    def forced_tools(self) -> list[dict] | None:
+        """The tools a call must go to when `tool_choice` forces one ("required" or a named function), else None."""
         choice = self.tool_choice
-        if choice not in (None, "none", "auto"):
-            why = "requires tools" if not self.tools else "is not supported (a call cannot be forced yet); use 'auto'"
-            raise InvalidRequest(f"tool_choice {choice!r} {why}", param="tool_choice")
+        if choice in (None, "none", "auto"):
+            return None
+        if not self.tools:
+            raise InvalidRequest(f"tool_choice {choice!r} requires tools", param="tool_choice")
+        try:
+            return allowed_tools(self.tools, choice)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="tool_choice") from None
 
     def top_alternatives(self) -> int | None:
         """Alternatives per token the decode node reports; None when logprobs are off."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -23,9 +22,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
+
 DEFAULT_CONFIG = "config.toml"
-MIN_SECRET_CHARS = 16
-_GEN_SECRET = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 log = logging.getLogger(__name__)
 
 
@@ -240,7 +239,7 @@ class AuthConfig(BaseModel):
     @classmethod
     def _keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
         for k in keys:
-            _check_key(k.get_secret_value(), "auth.api_keys")
+            check_key(k.get_secret_value(), "auth.api_keys")
         return keys
 
     @model_validator(mode="after")
@@ -248,7 +247,7 @@ class AuthConfig(BaseModel):
         if self.node_secret is not None and self.node_secret_file is not None:
             raise ValueError("set auth.node_secret or auth.node_secret_file, not both")
         if self.node_secret is not None:
-            _check_secret(self.node_secret.get_secret_value(), "auth.node_secret")
+            check_secret(self.node_secret.get_secret_value(), "auth.node_secret")
         return self
 
     def client_keys(self) -> list[str]:
@@ -258,7 +257,7 @@ class AuthConfig(BaseModel):
             for n, line in enumerate(_read_secret_file(self.api_keys_file, "auth.api_keys_file").splitlines(), 1):
                 line = line.strip()
                 if line and not line.startswith("#"):
-                    keys.append(_check_key(line, f"line {n} of auth.api_keys_file", ConfigError))
+                    keys.append(check_key(line, f"line {n} of auth.api_keys_file", ConfigError))
         return keys
 
     def secret(self) -> bytes | None:
@@ -267,7 +266,7 @@ class AuthConfig(BaseModel):
             return self.node_secret.get_secret_value().encode()
         if self.node_secret_file is not None:
             text = _read_secret_file(self.node_secret_file, "auth.node_secret_file").strip()
-            return _check_secret(text, "auth.node_secret_file's content", ConfigError).encode()
+            return check_secret(text, "auth.node_secret_file's content", ConfigError).encode()
         return None
 
     # Purpose-bound keys: the raw secret never crosses the network, and the HTTP token (sent in clear over plain
@@ -295,29 +294,8 @@ class AuthConfig(BaseModel):
             return
         raise ConfigError(f"{what}, reachable from other hosts, but no node secret is set. Set the same "
                           f"[auth] node_secret (or DISAGG_AUTH__NODE_SECRET, or node_secret_file) on the gateway "
-                          f"and every node; make one with {_GEN_SECRET}. To run open on a trusted network anyway, "
+                          f"and every node; make one with {GEN_SECRET}. To run open on a trusted network anyway, "
                           f"set auth.insecure_nodes = true")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name (or a wildcard such as 0.0.0.0, which is not loopback either)
-
-
-def _check_key(key: str, where: str, exc: type[Exception] = ValueError) -> str:
-    if not key or any(c.isspace() for c in key) or not key.isprintable():
-        raise exc(f"{where}: an API key must be non-empty printable text without spaces")
-    return key
-
-
-def _check_secret(secret: str, where: str, exc: type[Exception] = ValueError) -> str:
-    if len(secret) < MIN_SECRET_CHARS:
-        raise exc(f"{where} is shorter than {MIN_SECRET_CHARS} characters; make one with {_GEN_SECRET}")
-    return secret
 
 
 def _read_secret_file(path: Path, field: str) -> str:

@@ -111,7 +111,8 @@ class Sampling:
              "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"logprobs in [0, {MAX_TOP_LOGPROBS}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop is a list of non-empty strings"),
-            (grammar_ok(self.grammar), 'grammar is {"type": "json_object"} or {"type": "json_schema", "schema": {}}'),
+            (grammar_ok(self.grammar), 'grammar is {"type": "json_object"}, {"type": "json_schema", "schema": {}} or '
+                                       '{"type": "lark", "grammar": "..."}'),
             (self.grammar_generated >= 0, "grammar_generated >= 0"),
         ]
         broken = [what for ok, what in rules if not ok]
@@ -137,7 +138,8 @@ def grammar_ok(grammar) -> bool:
     if not isinstance(grammar, dict):
         return False
     kind = grammar.get("type")
-    return kind == "json_object" or (kind == "json_schema" and isinstance(grammar.get("schema"), dict))
+    return (kind == "json_object" or (kind == "json_schema" and isinstance(grammar.get("schema"), dict))
+            or (kind == "lark" and isinstance(grammar.get("grammar"), str) and bool(grammar["grammar"])))
 
 
 @dataclass

@@ -16,9 +16,7 @@ def stack(tmp_path_factory):
     """One real stack for the session; tests that kill a node restart it before they end."""
     s = Stack(tmp_path_factory.mktemp("stack"))
     try:
-        s.start("decode-0")
-        s.start("prefill-0")
-        s.start("gateway")
+        s.start_all(["decode-0", "prefill-0", "gateway"])
     except Exception:
         s.stop()
         raise

@@ -144,6 +144,21 @@ class Stack:
         return self.settings.node(name).url
 
     def start(self, name: str, timeout: float = 600, env: dict[str, str] | None = None) -> None:
+        self.start_all([name], timeout, env)
+
+    def start_all(self, names: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> None:
+        """Start nodes together (their start-up overlaps: model loads, imports), then the gateway if named, once
+        they answer /health, so its first health poll finds them up."""
+        nodes = [n for n in names if n != "gateway"]
+        for name in nodes:
+            self._spawn(name, env)
+        for name in nodes:
+            self._wait(name, timeout)
+        if "gateway" in names:
+            self._spawn("gateway", env)
+            self._wait("gateway", timeout)
+
+    def _spawn(self, name: str, env: dict[str, str] | None) -> None:
         role = "gateway" if name == "gateway" else self.settings.node(name).role
         cmd = [sys.executable, "-m", "backends.cli", role, "--config", str(self.config)]
         if role != "gateway":
@@ -151,6 +166,8 @@ class Stack:
         log = open(self.folder / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **self.env, **(env or {})})
+
+    def _wait(self, name: str, timeout: float) -> None:
         keys = self.settings.auth.client_keys()
         if name != "gateway":
             headers = self.node_headers

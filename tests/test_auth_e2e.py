@@ -26,8 +26,7 @@ QUESTION = "What is the capital of France? Answer in one short sentence."
 def secure_stack(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("secure-stack"), env={"DISAGG_AUTH__NODE_SECRET": SECRET})
     try:
-        for name in ("decode-0", "prefill-0", "gateway"):
-            s.start(name)
+        s.start_all(["decode-0", "prefill-0", "gateway"])
     except Exception:
         s.stop()
         raise

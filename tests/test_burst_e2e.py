@@ -28,8 +28,7 @@ def prompt(i: int, sentences: int = 115) -> str:
 def stack(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("burst"), env=ENV, kv_timeout_s=30.0)
     try:
-        for role in ("prefill-0", "decode-0", "gateway"):
-            s.start(role)
+        s.start_all(["prefill-0", "decode-0", "gateway"])
         yield s
     finally:
         s.stop()
@@ -61,7 +60,8 @@ async def burst(stack: Stack, n: int) -> tuple[list, tuple, int]:
 @pytest.mark.parametrize("n", [16, 32])
 async def test_burst_completes_disaggregated_and_short_request_is_not_stuck(stack, n):
     results, short, pending = await burst(stack, n)
-    assert [s for s, _, _ in results] == [200] * n
+    failed = [(s, b) for s, _, b in results if s != 200]
+    assert not failed, (len(failed), failed[:3], stack.log("gateway")[-3000:])
     assert all(b["usage"]["prompt_tokens"] > 1400 for _, _, b in results)
     paths = [h["x-disagg-path"] for _, h, _ in results]
     assert paths == ["disaggregated"] * n, [h.get("x-disagg-fallbacks") for _, h, _ in results]
@@ -75,7 +75,8 @@ async def test_burst_completes_disaggregated_and_short_request_is_not_stuck(stac
 async def test_prefill_node_killed_mid_burst_falls_back_on_failure_not_timeout(stack):
     url = stack.url("gateway")
     async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
-        tasks = [asyncio.create_task(chat(http, url, prompt(9000 + i, sentences=25))) for i in range(4)]
+        # ~110 tokens each: after the kill the decode node prefills them itself, and mlx-cpu does ~16 tokens/s here.
+        tasks = [asyncio.create_task(chat(http, url, prompt(9000 + i, sentences=8))) for i in range(4)]
         while True:
             async with http.get(f"{url}/health") as r:
                 gate = (await r.json()).get("admission", {}).get("prefill-0", {})

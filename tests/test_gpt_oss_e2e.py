@@ -2,7 +2,8 @@
 real gateway: both APIs render the harmony prompt with the reasoning effort, and generation stops on harmony's
 end tokens <|return|> and <|call|> (config.json names only one as EOS). A random model emits no harmony by itself:
 logit_bias makes it say the end token; the parsing itself is tested with real token streams in
-test_reasoning_api.py and test_toolcalls_api.py."""
+test_reasoning_api.py and test_toolcalls_api.py. A forced tool call (tool_choice) is masked into a valid harmony
+call by the decode node's grammar."""
 
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ def oss(tmp_path_factory):
     folder = build_family("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "model")
     s = Stack(tmp_path_factory.mktemp("oss-stack"), model_dir=folder)
     try:
-        s.start("decode-0")  # no prefill node: the local path
-        s.start("gateway")
+        s.start_all(["decode-0", "gateway"])  # no prefill node: the local path
         ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
         yield s, {t["content"]: t["id"] for t in ids}
     finally:
@@ -65,3 +65,30 @@ def test_both_apis_answer_with_the_harmony_template(oss):
     status, body = post(s, "/api/generate", {"model": MODEL_ID, "stream": False, "prompt": "hi", "think": True,
                                              "options": {"num_predict": 6, "temperature": 0}})
     assert status == 200 and body["done"], body
+
+
+def test_forced_tool_call_is_masked_into_harmony(oss):
+    """tool_choice names a function: the decode node masks by the gateway's harmony call grammar, so even a random
+    model answers with that call and arguments valid for its schema. The analysis channel the grammar allows first
+    is biased away here (a random model would fill it until max_tokens)."""
+    s, _ = oss
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(s.settings.models[0].path) + "/tokenizer.json").get_vocab()
+    no_analysis = {str(i): -100 for t, i in vocab.items() if t and "analysis".startswith(t)
+                   and not "commentary".startswith(t)}
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object",
+        "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["unit", "days"], "additionalProperties": False}}} for name in ("get_weather", "set_unit")]
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 60,
+            "temperature": 0, "logit_bias": no_analysis}
+    for choice, names in [({"type": "function", "function": {"name": "set_unit"}}, {"set_unit"}),
+                          ("required", {"get_weather", "set_unit"})]:
+        status, out = post(s, "/v1/chat/completions", {**body, "tool_choice": choice})
+        assert status == 200, out
+        c = out["choices"][0]
+        assert c["finish_reason"] == "tool_calls", c
+        (call,) = c["message"]["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] in names and args["unit"] in ("c", "f") and 0 <= args["days"] <= 9, call

@@ -36,8 +36,7 @@ def pstack(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("prefix"), env={"DISAGG_PREFILL__MAX_NUM_BATCHED_TOKENS": "64"},
               prefix_cache_bytes=1 << 30)
     try:
-        for role in ("decode-0", "prefill-0", "gateway"):
-            s.start(role)
+        s.start_all(["decode-0", "prefill-0", "gateway"])
     except Exception:
         s.stop()
         raise

@@ -129,8 +129,7 @@ def test_agreement_sides_with_prefill_on_a_tie():
 def test_status_command_on_the_embedded_stack(tmp_path):
     s = Stack(tmp_path)
     try:
-        s.start("decode-0")
-        s.start("prefill-0")
+        s.start_all(["decode-0", "prefill-0"])
         cmd = [sys.executable, "-m", "backends.cli", "status", "--config", str(s.config)]
         r = subprocess.run([*cmd, "--json", "--probe-mib", "16"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
