@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -174,6 +175,16 @@ class Stack:
         else:
             headers = {"Authorization": f"Bearer {keys[0]}"} if keys and self.settings.auth.protect_health else {}
         wait_http(self.url(name) + "/health", timeout, self.procs[name], headers)
+
+    def wait_gateway_sees(self, node: str, up: bool = True, timeout: float = 60) -> None:
+        """Until the gateway's health checks show `node` up (or down)."""
+        for _ in range(int(timeout / 0.5)):
+            with urllib.request.urlopen(self.url("gateway") + "/health", timeout=5) as r:
+                nodes = {n["name"]: n["up"] for n in json.loads(r.read())["nodes"]}
+            if nodes[node] == up:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"the gateway never saw {node} {'up' if up else 'down'}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         p = self.procs.pop(name, None)

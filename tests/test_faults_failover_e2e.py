@@ -23,8 +23,9 @@ from stack import MODEL_ID, Stack
 
 pytestmark = pytest.mark.e2e
 FALLBACK_REASONS = ("kv_aborted", "kv_error", "kv_timeout")
+# ~130 tokens, 6 MB of float32 KV: long enough to cut or throttle mid-transfer; the fallbacks prefill it on MLX.
 LONG_PROMPT = ("Here are notes on the history of the printing press, paper making, ink, type founding, and the "
-               "spread of books across Europe in the fifteenth and sixteenth centuries. ") * 12
+               "spread of books across Europe in the fifteenth and sixteenth centuries. ") * 4
 
 
 class Relay:
@@ -140,16 +141,6 @@ def fallbacks(stack: Stack, reason: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want))
 
 
-def wait_gateway_sees(stack: Stack, node: str, up: bool = True) -> None:
-    for _ in range(120):
-        with urllib.request.urlopen(stack.url("gateway") + "/health", timeout=5) as r:
-            nodes = {n["name"]: n["up"] for n in json.loads(r.read())["nodes"]}
-        if nodes[node] == up:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"the gateway never saw {node} {'up' if up else 'down'}")
-
-
 def mlx_alone(mlx_ref, hf_tokenizer, content: str, max_tokens: int) -> str:
     from mlx_lm import generate
 
@@ -186,7 +177,7 @@ def test_decode_node_killed_mid_stream_fails_over_and_comes_back(stack2):
     survivor = "decode-1" if killed == "decode-0" else "decode-0"
     assert node_health(stack2, survivor)["running"] == 0
     stack2.start(killed)
-    wait_gateway_sees(stack2, killed)
+    stack2.wait_gateway_sees(killed)
     assert_nothing_left(stack2)
     # Idle nodes tie and the earlier in the route wins, so decode-0 takes a fresh conversation; to land on decode-1
     # keep decode-0 busy with a stream meanwhile.
@@ -248,7 +239,7 @@ def test_prefill_node_killed_mid_transfer_falls_back_and_comes_back(stack2, rela
     assert body["choices"][0]["message"]["content"] == mlx_alone(mlx_ref, hf_tokenizer, content, 8)
     assert_nothing_left(stack2)
     stack2.start("prefill-0")
-    wait_gateway_sees(stack2, "prefill-0")
+    stack2.wait_gateway_sees("prefill-0")
     headers, _ = complete(stack2, "Back: " + LONG_PROMPT, 4)
     assert headers["x-disagg-path"] == "disaggregated", headers
     assert_nothing_left(stack2)

@@ -21,7 +21,7 @@ from backends.probe import register_decode, register_prefill
 from kv_bridge.config import load_config
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver
-from stack import MODEL_DIR, MODEL_ID, Stack, free_port
+from stack import MODEL_DIR, MODEL_ID, free_port
 
 SECRET = "status-test-secret-0123456789"
 
@@ -126,22 +126,22 @@ def test_agreement_sides_with_prefill_on_a_tie():
 
 
 @pytest.mark.e2e
-def test_status_command_on_the_embedded_stack(tmp_path):
-    s = Stack(tmp_path)
+def test_status_command_on_the_embedded_stack(stack):
+    """The session's real stack (conftest.py); decode-0 is killed to be shown DOWN, then restarted."""
+    cmd = [sys.executable, "-m", "backends.cli", "status", "--config", str(stack.config)]
+    r = subprocess.run([*cmd, "--json", "--probe-mib", "16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert {n["name"]: (n["up"], n["agreement"]) for n in out["nodes"]} == {
+        "prefill-0": (True, "ok"), "decode-0": (True, "ok")}
+    assert out["nodes"][1]["quantization"] == {MODEL_ID: "float32"}
+    (link,) = out["links"]
+    assert link["ok"] and link["bytes"] > 15 << 20 and link["gbit_s"] > 0
+    stack.kill("decode-0")
     try:
-        s.start_all(["decode-0", "prefill-0"])
-        cmd = [sys.executable, "-m", "backends.cli", "status", "--config", str(s.config)]
-        r = subprocess.run([*cmd, "--json", "--probe-mib", "16"], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stdout + r.stderr
-        out = json.loads(r.stdout)
-        assert {n["name"]: (n["up"], n["agreement"]) for n in out["nodes"]} == {
-            "prefill-0": (True, "ok"), "decode-0": (True, "ok")}
-        assert out["nodes"][1]["quantization"] == {MODEL_ID: "float32"}
-        (link,) = out["links"]
-        assert link["ok"] and link["bytes"] > 15 << 20 and link["gbit_s"] > 0
-        s.kill("decode-0")
         r = subprocess.run([*cmd, "--probe-mib", "1"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 1 and any(line.startswith("!!") and "decode-0" in line and "DOWN" in line
                                          for line in r.stdout.splitlines()), r.stdout + r.stderr
     finally:
-        s.stop()
+        stack.start("decode-0")
+        stack.wait_gateway_sees("decode-0")

@@ -178,44 +178,6 @@ def test_unprepared_model_fails_with_the_fix(tmp_path):
 
 
 @pytest.mark.e2e
-def test_up_serves_then_stops_cleanly(tmp_path):
-    pytest.importorskip("vllm")
-    pytest.importorskip("mlx_lm")
-    from backends.models import check
-
-    config, data = _write_config(tmp_path)
-    if problems := check(data["models"][0]["path"], data["models"][0]["id"]):
-        pytest.skip(f"model not prepared ({problems}); run `make models`")
-    proc = _up(config)
-    lines, seen, tree = _pump(proc), [], []
-    try:
-        url = _wait_for_url(lines, 600, seen)
-        assert url, "no ready line from disagg up:\n" + "".join(seen) + "\n" + _logs(config)
-        body = {"model": data["models"][0]["id"], "max_tokens": 8,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-        req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            assert r.status == 200
-            assert r.headers["x-disagg-path"] in ("disaggregated", "local", "fallback")
-            answer = json.load(r)
-        assert answer["choices"][0]["message"]["content"], answer
-
-        # Collect the whole tree (roles and their children, e.g. vLLM's EngineCore) before stopping it.
-        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-        assert len(tree) >= 4, tree  # up + prefill + decode + gateway
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0, "".join(seen)
-        assert not _survivors(tree), f"left behind: {_survivors(tree)}"
-        busy = [p for p in _ports(data) if not _port_free(p)]
-        assert not busy, f"ports still bound after stop: {busy}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _kill_tree(tree)
-
-
-@pytest.mark.e2e
 def test_a_role_that_dies_stops_everything(tmp_path):
     """A model folder vLLM and mlx-lm cannot load: the first role to die takes `up` down with exit 1."""
     pytest.importorskip("vllm")
@@ -285,8 +247,9 @@ def _until(fn, timeout_s: float, what: str, seen: list[str]):
 
 @pytest.mark.e2e
 def test_up_restarts_each_killed_role_and_keeps_serving(tmp_path):
-    """kill -9 of prefill, decode, gateway in turn: answers go on (local while prefill is down, 503 with Retry-After
-    while no decode node is), each role comes back and is used again; Ctrl-C still stops all with exit 0."""
+    """`disagg up` serves; kill -9 of prefill, decode, gateway in turn: answers go on (local while prefill is down,
+    503 with Retry-After while no decode node is), each role comes back and is used again; Ctrl-C stops the whole
+    tree (roles and their children, e.g. vLLM's EngineCore) with exit 0, no process left and every port free."""
     pytest.importorskip("vllm")
     pytest.importorskip("mlx_lm")
     config, data = _write_config(tmp_path)
@@ -296,7 +259,9 @@ def test_up_restarts_each_killed_role_and_keeps_serving(tmp_path):
     try:
         url = _wait_for_url(lines, 600, seen)
         assert url, "no ready line from disagg up:\n" + "".join(seen) + "\n" + _logs(config)
-        assert _chat(url, "What is the capital of France?")[0] == 200
+        status, headers, body = _chat(url, "What is the capital of France?")
+        assert status == 200 and json.loads(body)["choices"][0]["message"]["content"], body
+        assert len(psutil.Process(proc.pid).children(recursive=True)) >= 3  # prefill + decode + gateway
 
         t0 = time.monotonic()
         os.kill(_role_pid(proc.pid, "prefill"), signal.SIGKILL)
