@@ -31,7 +31,7 @@ tools:
 	command -v promtool >/dev/null || (apt-get update && apt-get install -y --no-install-recommends prometheus)
 
 test: install models tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf .disagg
