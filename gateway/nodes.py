@@ -19,6 +19,7 @@ from kv_bridge.config import ModelRoute, NodeConfig
 from .metrics import Metrics
 
 log = logging.getLogger("gateway.nodes")
+HEALTH_MISSES = 3  # health checks in a row without an answer before a node that still accepts connections is down
 
 
 @dataclass
@@ -28,6 +29,7 @@ class NodeState:
     inflight: int = 0
     local_tokens: int = 0  # decode node: prompt tokens of its generations on the local path (the cost model's batch)
     reason: str | None = "not checked yet"
+    missed: int = 0  # health checks in a row that got no answer in time
 
     @property
     def name(self) -> str:
@@ -104,6 +106,10 @@ class NodePool:
         return [n.snapshot() for n in self.nodes.values()]
 
     async def check(self, session: aiohttp.ClientSession, node: NodeState) -> None:
+        """One health check. A node that answers not-ok, or whose connection is refused or dropped, is down at once;
+        one that is only slow to answer (a loaded machine: vLLM's engine and a burst's KV share the cores with the
+        HTTP loop) is down after HEALTH_MISSES checks in a row without an answer, so a busy node is not mistaken for
+        a dead one and its running prefills are not thrown onto local prefill."""
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout)
             async with session.get(f"{node.url}/health", timeout=timeout) as resp:
@@ -115,8 +121,14 @@ class NodePool:
                 elif body.get("role", node.role) != node.role:
                     self.mark(node, False, f"node says role {body.get('role')!r}, config.toml says {node.role!r}")
                 else:
+                    node.missed = 0
                     self.mark(node, True)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except asyncio.TimeoutError:
+            node.missed += 1
+            if node.missed >= HEALTH_MISSES or not node.up:
+                self.mark(node, False, f"/health did not answer within {self.timeout:.1f}s, "
+                                       f"{node.missed} times in a row")
+        except (aiohttp.ClientError, ValueError) as e:
             self.mark(node, False, f"/health failed: {type(e).__name__}: {e}")
 
     async def poll_once(self, session: aiohttp.ClientSession) -> None:

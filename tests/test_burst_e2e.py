@@ -63,7 +63,7 @@ async def burst(stack: Stack, n: int) -> tuple[list, tuple, int]:
 async def test_burst_completes_disaggregated_and_short_request_is_not_stuck(stack, n):
     results, short, pending = await burst(stack, n)
     failed = [(s, b) for s, _, b in results if s != 200]
-    assert not failed, (len(failed), failed[:3], stack.log("gateway")[-3000:])
+    assert not failed, (len(failed), failed[:3], stack.log("gateway")[-3000:], stack.log("decode-0")[-6000:])
     assert all(b["usage"]["prompt_tokens"] > 1400 for _, _, b in results)
     paths = [h["x-disagg-path"] for _, h, _ in results]
     assert paths == ["disaggregated"] * n, [h.get("x-disagg-fallbacks") for _, h, _ in results]
