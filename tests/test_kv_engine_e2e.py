@@ -34,6 +34,8 @@ def prefill_main(job_file: str) -> None:
 
     job = json.loads(Path(job_file).read_text())
     os.environ.update(job.get("env", {}))
+    if job["engine"].get("tensor_parallel_size", 1) == 1:  # engine and worker in this process: ~20 s sooner
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
               max_model_len=768, disable_log_stats=False, **job["engine"],
               kv_transfer_config=KVTransferConfig(kv_connector="DisaggConnector", kv_role="kv_producer",

@@ -94,9 +94,11 @@ def _ports(data: dict) -> list[int]:
     return [data["gateway"]["port"]] + [p for n in data["nodes"] for p in (n["port"], n.get("kv_port")) if p]
 
 
-def _up(config: Path, **kw) -> subprocess.Popen:
+def _up(config: Path) -> subprocess.Popen:
+    # vLLM's worker inside its engine-core process (tests/stack.py, one_process_engine): ~10 s less per start.
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return subprocess.Popen([sys.executable, "-m", "backends.cli", "up", "--config", str(config)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
 
 
 def _pump(proc: subprocess.Popen) -> queue.Queue:
