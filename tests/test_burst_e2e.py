@@ -77,8 +77,8 @@ async def test_burst_completes_disaggregated_and_short_request_is_not_stuck(stac
 async def test_prefill_node_killed_mid_burst_falls_back_on_failure_not_timeout(stack):
     url = stack.url("gateway")
     async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
-        # ~110 tokens each: after the kill the decode node prefills them itself, and mlx-cpu does ~16 tokens/s here.
-        tasks = [asyncio.create_task(chat(http, url, prompt(9000 + i, sentences=8))) for i in range(4)]
+        # ~85 tokens each: after the kill the decode node prefills them itself, and mlx-cpu does ~16 tokens/s here.
+        tasks = [asyncio.create_task(chat(http, url, prompt(9000 + i, sentences=6))) for i in range(3)]
         while True:
             async with http.get(f"{url}/health") as r:
                 gate = (await r.json()).get("admission", {}).get("prefill-0", {})
@@ -89,7 +89,7 @@ async def test_prefill_node_killed_mid_burst_falls_back_on_failure_not_timeout(s
         results = await asyncio.gather(*tasks)
         async with http.get(f"{url}/metrics") as r:
             metrics = await r.text()
-    assert [s for s, _, _ in results] == [200] * 4
+    assert [s for s, _, _ in results] == [200] * 3
     reasons = [h.get("x-disagg-fallbacks", "") for _, h, _ in results]
     assert not any("kv_timeout" in r for r in reasons), reasons  # the failure itself, not silence, sent them local
     fell_back = [r for (_, h, _), r in zip(results, reasons) if h["x-disagg-path"] != "disaggregated"]
