@@ -106,6 +106,7 @@ class Transfer:
         self._keys = self._values = self._filled = self._claimed = self._first = self._layer_first = None
         self._t0 = 0.0
         self._bytes = 0
+        self._landing = 0  # frames claimed by views() whose bytes are still arriving in place
         self.progress_at = time.monotonic()  # registered, each HEADER, each frame: what the no-progress deadline counts from
 
     def check_header(self, hdr: wire.StreamHeader) -> None:
@@ -177,13 +178,16 @@ class Transfer:
     def views(self, hdr: wire.StreamHeader, layer: int, start: int, count: int) -> list[memoryview]:
         """Where a float32 frame's payload goes, in wire order: K (count, D) for each of the stream's heads, then V
         likewise, each a contiguous slice of this transfer's arrays, so the frame is received in place (no copy).
-        The tokens are claimed now; a frame that fails its checksum afterwards fails the whole transfer."""
+        The tokens are claimed now but count as arrived only at received(): another stream's DONE must not complete
+        the transfer while this frame is still landing. A frame that fails its checksum fails the whole transfer."""
         heads, a = self._claim(hdr, layer, start, count)
+        self._landing += 1
         hs = range(heads.start, heads.stop)
         return [memoryview(buf[layer, h, a:a + count]).cast("B") for buf in (self._keys, self._values) for h in hs]
 
     def received(self, hdr: wire.StreamHeader, count: int) -> None:
         """A frame received in place (views()) passed its checks: count its bytes."""
+        self._landing -= 1
         self._bytes += hdr.kv_bytes(count)
         self.progress_at = time.monotonic()
 
@@ -192,11 +196,12 @@ class Transfer:
                    for layer in layers)
 
     def stream_done(self, hdr: wire.StreamHeader) -> None:
-        """A stream's DONE: everything it declared must have arrived; the transfer completes with its last stream."""
+        """A stream's DONE: everything it declared must have arrived; the transfer completes with its last stream
+        (another stream with a frame still landing sends its own DONE after it, and that one completes it)."""
         missing = self._missing(hdr.stream_layers, slice(hdr.head_start, hdr.head_start + hdr.heads))
         if missing:
             raise wire.WireError(f"DONE before all KV arrived ({missing} layer-head-tokens missing)")
-        if self._missing(range(hdr.num_layers), slice(None)) == 0:
+        if self._landing == 0 and self._missing(range(hdr.num_layers), slice(None)) == 0:
             self.finish()
 
     def finish(self) -> None:

