@@ -107,7 +107,8 @@ class Transfer:
         self._t0 = 0.0
         self._bytes = 0
         self._landing = 0  # frames claimed by views() whose bytes are still arriving in place
-        self.progress_at = time.monotonic()  # registered, each HEADER, each frame: what the no-progress deadline counts from
+        # registered, each HEADER, each frame: what the no-progress deadline counts from
+        self.progress_at = time.monotonic()
 
     def check_header(self, hdr: wire.StreamHeader) -> None:
         mine = (self.spec["fingerprint"], self.spec["num_layers"], self.spec["num_kv_heads"], self.spec["head_dim"])
