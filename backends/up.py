@@ -195,9 +195,9 @@ def _wait_ready(children: list[Child], stopper: Stopper, timeout_s: float) -> in
             waiting = [f"{c.name} (log {c.log})" for c in children if not c.ready]
             print(f"disagg up: not ready after {timeout_s:.0f}s: {', '.join(waiting)}", file=sys.stderr)
             return 1
-        if now - last_note > NOTE_EVERY_S:
+        names = [c.name for c in children if not c.ready]
+        if names and now - last_note > NOTE_EVERY_S:  # none left: the last became ready in this pass
             last_note = now
-            names = [c.name for c in children if not c.ready]
             print(f"disagg up: waiting for {', '.join(names)} ({now - t0:.0f}s)", flush=True)
         stopper.wait(POLL_S)
     return None
