@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -184,8 +185,14 @@ class Stack:
     def wait_gateway_sees(self, node: str, up: bool = True, timeout: float = 60) -> None:
         """Until the gateway's health checks show `node` up (or down)."""
         for _ in range(int(timeout / 0.5)):
-            with urllib.request.urlopen(self.url("gateway") + "/health", timeout=5) as r:
-                nodes = {n["name"]: n["up"] for n in json.loads(r.read())["nodes"]}
+            try:
+                with urllib.request.urlopen(self.url("gateway") + "/health", timeout=5) as r:
+                    body = r.read()
+            except urllib.error.HTTPError as e:  # 503 while no decode node is up: the body still lists the nodes
+                if e.code != 503:
+                    raise
+                body = e.read()
+            nodes = {n["name"]: n["up"] for n in json.loads(body)["nodes"]}
             if nodes[node] == up:
                 return
             time.sleep(0.5)
