@@ -157,6 +157,8 @@ def plot(results: dict[int, dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, style in (("split", "o-"), ("vllm-alone", "s--"), ("vllm-prefill", "^:")):
         ax.plot(sizes, [results[n][mode]["wall"] for n in sizes], style, label=mode)
+    bound = [1.3 * (results[n]["vllm-prefill"]["wall"] + results[n]["split-decode"]["wall"]) for n in sizes]
+    ax.plot(sizes, bound, "x-.", label="target: 1.3 x (vllm-prefill + decode)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("burst size (distinct long prompts at once)")
