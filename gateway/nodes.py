@@ -28,6 +28,7 @@ class NodeState:
     up: bool = False  # down until the first health check answers ok
     inflight: int = 0
     local_tokens: int = 0  # decode node: prompt tokens of its generations on the local path (the cost model's batch)
+    waiting: int = 0  # decode node: generations bound for it, still queued for a prefill node's admission
     reason: str | None = "not checked yet"
     missed: int = 0  # health checks in a row that got no answer in time
 
@@ -52,6 +53,7 @@ class NodeState:
         out = {"name": self.name, "role": self.role, "up": self.up, "inflight": self.inflight}
         if self.role == "decode":
             out["local_prefill_tokens"] = self.local_tokens
+            out["waiting_for_prefill"] = self.waiting
         if self.config.max_inflight is not None:
             out["max_inflight"] = self.config.max_inflight
         if not self.up:

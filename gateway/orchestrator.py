@@ -67,17 +67,20 @@ class Orchestrator:
         return Lease(self.inflight, route.id, node, self.affinity, prefix, local_tokens)
 
     def choose_prefill(self, route: ModelRoute, prompt: list[int], decode: NodeState,
-                       exclude: list[str] = ()) -> NodeState | None:
+                       exclude: list[str] = (), leased: bool = False) -> NodeState | None:
         """The prefill node to wait for, or None for local prefill: above the `min_disagg_tokens` floor, the prefill
         node with the lowest predicted time to first token (its queue and this prompt at its learned rate, plus the
-        transfer), when that beats the decode node prefilling the prompt itself behind its other local prefills."""
+        transfer), unless the decode node prefilling the prompt itself (behind its other local prefills) is sooner by
+        more than the stall that would impose on the node's other generations (gateway/rates.py, `local_stall`).
+        `leased`: the asking generation already holds a lease on `decode` (a reroute), so it is not one of them."""
         kv_tokens = len(prompt) - 1
         if kv_tokens < route.min_disagg_tokens:
             return None
+        others = max(0, decode.inflight - leased)
         best, best_s = None, None
         for node in self.pool.available(route.prefill, exclude):
             costs = self.rates.costs(node.name, decode.name, kv_tokens, tokens_ahead=self.admission.node(
-                node.name).tokens_ahead, batch_tokens=decode.local_tokens,
+                node.name).tokens_ahead, batch_tokens=decode.local_tokens, others=others, arriving=decode.waiting,
                 kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0)))
             if choose_path(costs, kv_tokens, route.min_disagg_tokens) == DISAGGREGATED and (
                     best_s is None or costs.disaggregated < best_s):
@@ -162,8 +165,14 @@ class Orchestrator:
         queueing never runs down the decode node's no-progress deadline."""
         prefill = self.choose_prefill(route, prompt, decode)
         self.metrics.path_choice.labels(route.id, "disaggregated" if prefill else "local").inc()
-        ticket = None if prefill is None else await self._admit(route, prefill, len(prompt) - 1)
-        reroute = PrefillRoute(lambda tried: self.choose_prefill(route, prompt, decode, tried),
+        ticket = None
+        if prefill is not None:
+            decode.waiting += 1
+            try:
+                ticket = await self._admit(route, prefill, len(prompt) - 1)
+            finally:
+                decode.waiting -= 1
+        reroute = PrefillRoute(lambda tried: self.choose_prefill(route, prompt, decode, tried, leased=True),
                                lambda node, tokens: self._admit(route, node, tokens), self.prefill_stall_s)
         lease = self._lease(route, decode, prefix, 0 if prefill else len(prompt))
         return Generation(self.client, lease, route, decode, prefill, prompt, fallbacks, ticket=ticket,

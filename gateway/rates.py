@@ -44,14 +44,20 @@ class Rate:
 
 @dataclass(frozen=True)
 class PathCosts:
-    """Predicted seconds to first token of each path; `disaggregated` is None where no prefill node can take it."""
+    """Predicted seconds to first token of each path; `disaggregated` is None where no prefill node can take it.
+
+    `stall` is what the local path costs the decode node's other generations, in seconds summed over them: a local
+    prefill runs on the node's MLX thread between its batch's steps, so every generation decoding there meanwhile
+    waits as long as it runs. The local path wins only when its own gain outweighs that.
+    """
 
     disaggregated: float | None
     local: float
+    stall: float = 0.0
 
     @property
     def best(self) -> str:
-        if self.disaggregated is not None and self.disaggregated <= self.local:
+        if self.disaggregated is not None and self.disaggregated <= self.local + self.stall:
             return DISAGGREGATED
         return LOCAL
 
@@ -135,11 +141,28 @@ class Rates:
         """Prefilling on the decode node: this prompt plus the prompt tokens already in its batch, at its rate."""
         return (batch_tokens + prompt_tokens) / self.local_rate(decode).value
 
+    def local_stall(self, prefill: str | None, decode: str, prompt_tokens: int, *, others: int = 0,
+                    arriving: int = 0, tokens_ahead: int = 0) -> float:
+        """Seconds a local prefill of this prompt adds to the decode node's other generations, summed.
+
+        It runs for T = prompt tokens / the local rate. The `others` already on the node (decoding, or with KV on the
+        way) each wait all of T. The `arriving` ones (bound for the node, still queued for a prefill node's admission)
+        wait only if their KV lands within T: the share of the prefill queue that the node clears in T, each of them
+        T/2 on average.
+        """
+        t = prompt_tokens / self.local_rate(decode).value
+        share = 1.0
+        if prefill is not None and tokens_ahead > 0:
+            share = min(1.0, t * self.prefill_rate(prefill).value / tokens_ahead)
+        return t * (others + arriving * share / 2)
+
     def costs(self, prefill: str | None, decode: str, prompt_tokens: int, *, tokens_ahead: int = 0,
-              batch_tokens: int = 0, kv_bytes_per_token: int = 0) -> PathCosts:
+              batch_tokens: int = 0, others: int = 0, arriving: int = 0, kv_bytes_per_token: int = 0) -> PathCosts:
         disagg = None if prefill is None else self.disaggregated_ttft(
             prefill, decode, prompt_tokens, tokens_ahead, kv_bytes_per_token)
-        return PathCosts(disagg, self.local_ttft(decode, prompt_tokens, batch_tokens))
+        stall = self.local_stall(prefill, decode, prompt_tokens, others=others, arriving=arriving,
+                                 tokens_ahead=tokens_ahead)
+        return PathCosts(disagg, self.local_ttft(decode, prompt_tokens, batch_tokens), stall)
 
 
 def choose_path(costs: PathCosts, kv_tokens: int, min_disagg_tokens: int) -> str:

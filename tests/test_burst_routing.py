@@ -76,11 +76,16 @@ async def test_queue_full_is_429_with_retry_after_from_the_queue(empty_config):
             return gate.get("queued_requests") == 1
 
         await c.wait_for(queued)
+        async with c.http.get(f"{c.url}/health") as r:
+            (decode,) = [n for n in (await r.json())["nodes"] if n["role"] == "decode"]
+        assert decode["waiting_for_prefill"] == 1  # the queued one, bound for it: the cost model's arrivals
         status, headers, err = await c.chat(distinct(9))
         assert status == 429, err
         # ~140 prompt tokens ahead at the 10 tok/s prior: about 14 s, not the 1 s default
         assert int(headers["Retry-After"]) >= 10
         assert [r[0] for r in await asyncio.gather(*first)] == [200, 200]
+        async with c.http.get(f"{c.url}/health") as r:
+            assert [n["waiting_for_prefill"] for n in (await r.json())["nodes"] if n["role"] == "decode"] == [0]
     finally:
         await c.stop()
 
@@ -92,6 +97,29 @@ async def test_cost_model_picks_local_when_prefill_is_slower(empty_config):
         status, headers, _ = await c.chat(body())
         assert (status, headers["x-disagg-path"]) == (200, "local")
         assert c.prefill.requests == []
+        assert await c.metric("disagg_path_choices_total", model=MODEL_ID, path="local") == 1
+    finally:
+        await c.stop()
+
+
+async def test_local_prefill_is_not_chosen_when_it_would_stall_the_decode_batch(empty_config):
+    """Prefill predicted 2.5x slower than the decode node prefilling locally (20 against 50 tok/s): a request alone
+    on the decode node goes local. One arriving while that one still decodes there would reach its first token
+    sooner locally too (2T behind the first one's prompt, against 2.5T), but its prefill would hold the first one up
+    for T: it goes disaggregated."""
+    c = await Cluster(gateway={"rates": {"prefill_tokens_per_s": 20.0, "local_prefill_tokens_per_s": 50.0}}).start()
+    try:
+        c.decode.token_delay = 0.5
+        first = asyncio.create_task(c.chat(distinct(1)))
+
+        async def decoding() -> bool:
+            return c.decode.running == 1
+
+        await c.wait_for(decoding)
+        status, headers, _ = await c.chat(distinct(2))
+        assert (status, headers["x-disagg-path"]) == (200, "disaggregated")
+        status, headers, _ = await first
+        assert (status, headers["x-disagg-path"]) == (200, "local")
         assert await c.metric("disagg_path_choices_total", model=MODEL_ID, path="local") == 1
     finally:
         await c.stop()

@@ -77,6 +77,28 @@ def test_cost_model_prefers_the_queue_until_it_costs_more_than_local():
         == DISAGGREGATED
 
 
+def test_local_prefill_is_charged_the_stall_it_imposes_on_the_decode_batch():
+    """The 64th of a burst of 1.5k-token prompts: 63 prompts ahead at the prefill node's 620 tok/s make 155 s of
+    waiting against 94 s of local prefill, so on its own TTFT the request would go local. But the decode node
+    steps nothing else while it prefills, and 61 requests bound for it are queued for admission: the share of them
+    whose KV lands within those 94 s (93.75 * 620 / 94500 = 0.615) would each wait 47 s on average."""
+    rates = Rates(RatesConfig(prefill_tokens_per_s=620, local_prefill_tokens_per_s=16, link_bytes_per_s=1e9,
+                              prior_weight_s=1.0))
+    ahead = 63 * 1500
+    alone = rates.costs("p0", "d0", 1500, tokens_ahead=ahead)
+    assert alone.stall == 0 and alone.best == LOCAL
+    burst = rates.costs("p0", "d0", 1500, tokens_ahead=ahead, others=2, arriving=61)
+    t = 1500 / 16
+    assert burst.stall == pytest.approx(t * (2 + 61 * (t * 620 / ahead) / 2))
+    assert burst.best == DISAGGREGATED
+    # Arrivals whose KV lands only after the local prefill is done are not held up by it: a queue of 1M tokens.
+    far = rates.costs("p0", "d0", 1500, tokens_ahead=1_000_000, arriving=1)
+    assert far.stall == pytest.approx(t * (t * 620 / 1_000_000) / 2) and far.best == LOCAL
+    # A short prompt mid-burst stalls the batch for 2 s only: local still beats 39 s in the prefill queue.
+    short = rates.costs("p0", "d0", 35, tokens_ahead=24_000, others=3, arriving=13)
+    assert short.stall < 10 and short.best == LOCAL
+
+
 def test_floor_and_no_prefill_node():
     rates = Rates()
     assert choose_path(rates.costs("p0", "d0", 3000), kv_tokens=2, min_disagg_tokens=3) == LOCAL
