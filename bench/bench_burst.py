@@ -115,6 +115,7 @@ async def measure(stack: Stack, prompts: Prompts, warm: Prompts, args) -> dict[i
             before = await paths(client, stack)
             row["split"] = await burst(client, stack, split, prompts, tag, n, args.max_tokens)
             after = await paths(client, stack)
+            row["rates"] = (await client.get(stack.url("gateway") + "/health")).json().get("rates")  # as learned
             row["paths"] = {p: int(after.get(p, 0) - before.get(p, 0)) for p in after if after[p] != before.get(p, 0)}
             if row["split"]["failed"]:
                 row["paths"]["failed"] = row["split"]["failed"]

@@ -77,15 +77,19 @@ class Orchestrator:
         if kv_tokens < route.min_disagg_tokens:
             return None
         others = max(0, decode.inflight - leased)
-        best, best_s = None, None
-        for node in self.pool.available(route.prefill, exclude):
-            costs = self.rates.costs(node.name, decode.name, kv_tokens, tokens_ahead=self.admission.node(
-                node.name).tokens_ahead, batch_tokens=decode.local_tokens, others=others, arriving=decode.waiting,
-                kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0)))
-            if choose_path(costs, kv_tokens, route.min_disagg_tokens) == DISAGGREGATED and (
-                    best_s is None or costs.disaggregated < best_s):
-                best, best_s = node, costs.disaggregated
-        return best
+        priced = [(self.rates.costs(node.name, decode.name, kv_tokens, tokens_ahead=self.admission.node(
+            node.name).tokens_ahead, batch_tokens=decode.local_tokens, others=others, arriving=decode.waiting,
+            kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0))), node)
+            for node in self.pool.available(route.prefill, exclude)]
+        if not priced:
+            return None
+        costs, node = min(priced, key=lambda cn: cn[0].disaggregated)
+        if choose_path(costs, kv_tokens, route.min_disagg_tokens) == DISAGGREGATED:
+            return node
+        log.info("%d prompt tokens go local on %s: predicted TTFT %.1fs + %.1fs of stall to %d generations there "
+                 "(%d on the way), against %.1fs waiting for %s", kv_tokens, decode.name, costs.local, costs.stall,
+                 others, decode.waiting, costs.disaggregated, node.name)
+        return None
 
     async def _admit(self, route: ModelRoute, node: NodeState, tokens: int) -> Ticket:
         return await self.admission.node(node.name).acquire(route.id, tokens)
