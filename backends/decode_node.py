@@ -146,7 +146,8 @@ class DecodeService:
         except TransferError as e:
             log.warning("transfer %s: %s; prefilling locally", transfer.transfer_id, e)
             return None, replace(none, fallback_reason=e.reason)
-        return kv, replace(none, kv_tokens=kv_tokens, kv_transfer_s=kv.seconds, kv_bytes=kv.nbytes)
+        return kv, replace(none, kv_tokens=kv_tokens, kv_transfer_s=kv.seconds, kv_bytes=kv.nbytes,
+                           kv_link_s=kv.link_s)
 
     async def _stream(self, resp, m: MLXModel, job: Job, done: DoneLine, t0: float) -> None:
         """Relay the job's tokens (stop strings matched here), then its done line, or an error line."""

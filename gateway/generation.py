@@ -188,7 +188,7 @@ class Generation:
         if d.kv_tokens > 0 and d.kv_bytes > 0:
             self._rates.observe_kv_size(self.route.id, d.kv_tokens, d.kv_bytes)
             if self.prefill is not None:
-                self._rates.observe_link(self.prefill.name, self.decode.name, d.kv_bytes, d.kv_transfer_s)
+                self._rates.observe_link(self.prefill.name, self.decode.name, d.kv_bytes, d.kv_link_s)
         elif d.computed_tokens >= _MIN_LOCAL_SAMPLE and d.ttft_s > 0:
             self._rates.observe_local(self.decode.name, d.computed_tokens, d.ttft_s)
 

@@ -114,7 +114,8 @@ class Rates:
         self.local_rate(node).observe(tokens, seconds)
 
     def observe_link(self, prefill: str, decode: str, nbytes: int, seconds: float) -> None:
-        """`nbytes` of KV went from `prefill` to `decode` in `seconds` (header -> last frame)."""
+        """`nbytes` of KV went from `prefill` to `decode` in `seconds` of link time: the decode node's time mid-frame
+        (`kv_link_s`), not HEADER -> last frame, which is mostly the prefill computing the layers between frames."""
         self.link_rate(prefill, decode).observe(nbytes, seconds)
 
     def snapshot(self) -> dict:

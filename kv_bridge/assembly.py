@@ -70,6 +70,7 @@ class ReceivedKV:
     values: np.ndarray
     nbytes: int
     seconds: float  # first byte of the stream until it was complete
+    link_s: float = 0.0  # the slowest stream's time mid-frame (bytes on the way); gaps between frames left out
     _release: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
@@ -105,6 +106,7 @@ class Transfer:
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are read via result()
         self._keys = self._values = self._filled = self._claimed = self._first = self._layer_first = None
         self._t0 = 0.0
+        self._link_s = 0.0  # the slowest stream's mid-frame time so far (`stream_done`)
         self._bytes = 0
         self._landing = 0  # frames claimed by views() whose bytes are still arriving in place
         # registered, each HEADER, each frame: what the no-progress deadline counts from
@@ -196,9 +198,11 @@ class Transfer:
         return sum(int((~self._filled[layer, heads, self._layer_first[layer] - self.start:]).sum())
                    for layer in layers)
 
-    def stream_done(self, hdr: wire.StreamHeader) -> None:
+    def stream_done(self, hdr: wire.StreamHeader, link_s: float = 0.0) -> None:
         """A stream's DONE: everything it declared must have arrived; the transfer completes with its last stream
-        (another stream with a frame still landing sends its own DONE after it, and that one completes it)."""
+        (another stream with a frame still landing sends its own DONE after it, and that one completes it).
+        `link_s`: the time that stream spent mid-frame. Streams run side by side, so the slowest one's counts."""
+        self._link_s = max(self._link_s, link_s)
         missing = self._missing(hdr.stream_layers, slice(hdr.head_start, hdr.head_start + hdr.heads))
         if missing:
             raise wire.WireError(f"DONE before all KV arrived ({missing} layer-head-tokens missing)")
@@ -212,7 +216,7 @@ class Transfer:
         bufs, pool = self._bufs, self.pool
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
         self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
-                                 release))
+                                 self._link_s, release))
 
     def fail(self, reason: str, message: str) -> None:
         if not self.future.done():

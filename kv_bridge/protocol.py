@@ -181,6 +181,7 @@ class DoneLine:
     fallback_reason: str | None = None  # a Fallback kv_* name when the KV did not arrive
     kv_transfer_s: float = 0.0
     kv_bytes: int = 0
+    kv_link_s: float = 0.0  # of kv_transfer_s, the time the KV's bytes were on the way (mid-frame)
     prefix_tokens: int = 0
     computed_tokens: int = 0
     ttft_s: float = 0.0
@@ -191,7 +192,8 @@ class DoneLine:
     @classmethod
     def from_json(cls, msg: dict) -> "DoneLine":
         """Tolerant of absent fields (an older node sends fewer); raises ProtocolError on a wrong type."""
-        kinds = {"finish_reason": str, "fallback_reason": str, "kv_transfer_s": float, "ttft_s": float}
+        kinds = {"finish_reason": str, "fallback_reason": str, "kv_transfer_s": float, "kv_link_s": float,
+                 "ttft_s": float}
         try:
             values = {f.name: kinds.get(f.name, int)(msg.get(f.name) or 0) for f in fields(cls)}
         except (TypeError, ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from kv_bridge import wire
 from kv_bridge.assembly import BufferPool, ReceivedKV, Transfer, TransferError
@@ -124,6 +125,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._stage = memoryview(bytearray(STAGE_BYTES))
         self._staged = False
         self._mid_frame = False
+        # The link's share of the stream's time: gaps between reads while a frame is part-read (its bytes were on
+        # the way), not those between frames (the prefill computing the next layer). The learned link rate's clock.
+        self.link_s, self._last_read = 0.0, None
         self._closed = False
         self._expect_prefix()
 
@@ -143,6 +147,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._closed:
             return
+        now = time.perf_counter()
+        if self._mid_frame and self._last_read is not None:
+            self.link_s += now - self._last_read
+        self._last_read = now
         if not self._staged:
             self._advance(nbytes)
             return
@@ -237,7 +245,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if ftype == wire.KV:
             t.add(self.hdr, *wire.parse_kv(body, self.hdr))
         elif ftype == wire.DONE:
-            t.stream_done(self.hdr)
+            t.stream_done(self.hdr, self.link_s)
             self.transfer = None  # this stream is complete; the transfer may still wait on other ranks' streams
             self._close()
             return

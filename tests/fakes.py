@@ -236,7 +236,8 @@ class FakeDecodeNode(FakeNode):
             "type": "done", "finish_reason": finish,
             "prompt_tokens": n, "completion_tokens": len(out), "kv_tokens": kv_tokens, "prefix_tokens": prefix,
             "computed_tokens": n - kv_tokens - prefix, "fallback_reason": fallback,
-            "kv_transfer_s": 0.02 if kv_tokens else 0.0, "kv_bytes": kv_tokens * 1000, "ttft_s": 0.01,
+            "kv_transfer_s": 0.02 if kv_tokens else 0.0, "kv_link_s": 0.005 if kv_tokens else 0.0,
+            "kv_bytes": kv_tokens * 1000, "ttft_s": 0.01,
         })
 
     @staticmethod

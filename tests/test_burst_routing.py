@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fakes import LONG_TEXT, MODEL_ID, Cluster
+from gateway.rates import Rate
 from kv_bridge import wire
 from kv_bridge.config import KVConfig
 from kv_bridge.receiver import Transfer, TransferError
@@ -126,16 +127,20 @@ async def test_local_prefill_is_not_chosen_when_it_would_stall_the_decode_batch(
 
 
 async def test_rates_are_learned_and_shown(empty_config):
-    c = await Cluster().start()
+    c = await Cluster(gateway={"rates": {"link_bytes_per_s": 1000.0}}).start()
     try:
         c.prefill.seconds_per_token = 0.001
+        link = Rate(1000.0, 0.2, 2.0)  # the config's defaults: smoothing 0.2, prior_weight_s 2
         for i in range(3):
             status, headers, _ = await c.chat(distinct(i))
             assert (status, headers["x-disagg-path"]) == (200, "disaggregated")
+            link.observe(int(headers["x-disagg-kv-tokens"]) * 1000, 0.005)  # the fake's kv_bytes over kv_link_s
         async with c.http.get(f"{c.url}/health") as r:
             health = await r.json()
         learned = health["rates"]["prefill_tokens_per_s"]["prefill-0"]
         assert learned["samples"] == 3 and learned["value"] != learned["prior"]
+        # The link's clock is the decode node's time mid-frame (kv_link_s), not HEADER -> last frame (kv_transfer_s).
+        assert health["rates"]["link_bytes_per_s"]["prefill-0->decode-0"]["value"] == pytest.approx(link.value, 1e-3)
         assert health["admission"]["prefill-0"]["inflight_tokens"] == 0
         assert await c.metric("disagg_learned_rate", kind="prefill", node="prefill-0") == pytest.approx(
             learned["value"], rel=1e-3)

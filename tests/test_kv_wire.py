@@ -8,6 +8,7 @@ import random
 import socket
 import struct
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -71,6 +72,34 @@ def test_sender_to_receiver_roundtrip_in_chunks():
     got = asyncio.run(run_transfer(send_with_sender(k, v, chunks=(0, 128, 256)), n=300))
     assert np.array_equal(got.keys, k) and np.array_equal(got.values, v)
     assert got.nbytes == k.nbytes + v.nbytes
+
+
+def test_link_time_counts_bytes_on_the_way_not_the_gaps_between_frames():
+    """The learned link rate's clock: a frame that arrives in two halves 0.3 s apart counts those 0.3 s; the 0.4 s
+    pauses between frames (the prefill computing the next layer) do not."""
+    k, v = kv_data(10)
+
+    def send(port, tid):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(hdr_frame(tid, 10))
+            for layer in range(L):
+                frame = kv_frame(layer, 0, k[layer], v[layer])
+                if layer == 0:
+                    s.sendall(frame[:len(frame) // 2])
+                    time.sleep(0.3)
+                    s.sendall(frame[len(frame) // 2:])
+                else:
+                    time.sleep(0.4)
+                    s.sendall(frame)
+            s.sendall(wire.json_frame(wire.DONE, {}))
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(1 << 16):
+                pass
+
+    got = asyncio.run(run_transfer(send))
+    assert np.array_equal(got.keys, k)
+    assert got.link_s >= 0.2  # the half-frame wait (less whatever the receiver's loop was late for the first half)
+    assert got.seconds - got.link_s >= 3 * 0.4 - 0.1  # the pauses between frames are not link time
 
 
 def test_fingerprint_mismatch_names_both_sides():
