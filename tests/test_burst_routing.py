@@ -13,7 +13,7 @@ import pytest
 from fakes import LONG_TEXT, MODEL_ID, Cluster
 from gateway.rates import Rate
 from kv_bridge import wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config import KVConfig, RatesConfig
 from kv_bridge.receiver import Transfer, TransferError
 
 SPEC = {"fingerprint": "abc", "num_layers": 2, "num_kv_heads": 1, "head_dim": 4}
@@ -25,6 +25,16 @@ def body(text: str = LONG_TEXT, **kw) -> dict:
 
 def distinct(i: int) -> dict:
     return body(f"Request {i}. {LONG_TEXT}")
+
+
+async def health(c: Cluster) -> dict:
+    async with c.http.get(f"{c.url}/health") as r:
+        return await r.json()
+
+
+def waiting_for_prefill(h: dict) -> list[int]:
+    """Each decode node's count of generations bound for it and still queued for a prefill node's admission."""
+    return [n["waiting_for_prefill"] for n in h["nodes"] if n["role"] == "decode"]
 
 
 async def test_kv_deadline_counts_silence_not_age():
@@ -72,21 +82,16 @@ async def test_queue_full_is_429_with_retry_after_from_the_queue(empty_config):
         first = [asyncio.create_task(c.chat(distinct(i))) for i in range(2)]  # one in flight, one queued
 
         async def queued() -> bool:
-            async with c.http.get(f"{c.url}/health") as r:
-                gate = (await r.json())["admission"].get("prefill-0", {})
-            return gate.get("queued_requests") == 1
+            return (await health(c))["admission"].get("prefill-0", {}).get("queued_requests") == 1
 
         await c.wait_for(queued)
-        async with c.http.get(f"{c.url}/health") as r:
-            (decode,) = [n for n in (await r.json())["nodes"] if n["role"] == "decode"]
-        assert decode["waiting_for_prefill"] == 1  # the queued one, bound for it: the cost model's arrivals
+        assert waiting_for_prefill(await health(c)) == [1]  # the queued one, bound for it: the cost model's arrivals
         status, headers, err = await c.chat(distinct(9))
         assert status == 429, err
         # ~140 prompt tokens ahead at the 10 tok/s prior: about 14 s, not the 1 s default
         assert int(headers["Retry-After"]) >= 10
         assert [r[0] for r in await asyncio.gather(*first)] == [200, 200]
-        async with c.http.get(f"{c.url}/health") as r:
-            assert [n["waiting_for_prefill"] for n in (await r.json())["nodes"] if n["role"] == "decode"] == [0]
+        assert waiting_for_prefill(await health(c)) == [0]
     finally:
         await c.stop()
 
@@ -130,18 +135,18 @@ async def test_rates_are_learned_and_shown(empty_config):
     c = await Cluster(gateway={"rates": {"link_bytes_per_s": 1000.0}}).start()
     try:
         c.prefill.seconds_per_token = 0.001
-        link = Rate(1000.0, 0.2, 2.0)  # the config's defaults: smoothing 0.2, prior_weight_s 2
+        defaults = RatesConfig()
+        link = Rate(1000.0, defaults.smoothing, defaults.prior_weight_s)
         for i in range(3):
             status, headers, _ = await c.chat(distinct(i))
             assert (status, headers["x-disagg-path"]) == (200, "disaggregated")
             link.observe(int(headers["x-disagg-kv-tokens"]) * 1000, 0.005)  # the fake's kv_bytes over kv_link_s
-        async with c.http.get(f"{c.url}/health") as r:
-            health = await r.json()
-        learned = health["rates"]["prefill_tokens_per_s"]["prefill-0"]
+        h = await health(c)
+        learned = h["rates"]["prefill_tokens_per_s"]["prefill-0"]
         assert learned["samples"] == 3 and learned["value"] != learned["prior"]
         # The link's clock is the decode node's time mid-frame (kv_link_s), not HEADER -> last frame (kv_transfer_s).
-        assert health["rates"]["link_bytes_per_s"]["prefill-0->decode-0"]["value"] == pytest.approx(link.value, 1e-3)
-        assert health["admission"]["prefill-0"]["inflight_tokens"] == 0
+        assert h["rates"]["link_bytes_per_s"]["prefill-0->decode-0"]["value"] == pytest.approx(link.value, 1e-3)
+        assert h["admission"]["prefill-0"]["inflight_tokens"] == 0
         assert await c.metric("disagg_learned_rate", kind="prefill", node="prefill-0") == pytest.approx(
             learned["value"], rel=1e-3)
     finally:
