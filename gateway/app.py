@@ -1,5 +1,5 @@
 """The gateway app (`create_app`, `serve`): /health, /metrics and Ollama's "/" on the root app; the OpenAI API a
-sub-app at /v1, the Ollama API one at /api; each app has its own error shape and key check (gateway.boundary).
+sub-app at /v1, the Ollama API one at /api; each app has its own error shape and key check (gateway.api.boundary).
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 
-from . import auth, boundary, ollama
-from .auth import APIKeys
-from .chat import STATE, GatewayState, chat_completions
-from .completions import completions
-from .metrics import Metrics
-from .nodes import NodePool
-from .orchestrator import Orchestrator
-from .tokenizer import ChatTokenizer
+from gateway import auth
+from gateway.api import boundary
+from gateway.api.ollama import routes as ollama
+from gateway.auth import APIKeys
+from gateway.api.openai.chat import STATE, GatewayState, chat_completions
+from gateway.api.openai.completions import completions
+from gateway.metrics import Metrics
+from gateway.cluster.nodes import NodePool
+from gateway.cluster.orchestrator import Orchestrator
+from gateway.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger("gateway")
 
@@ -85,7 +87,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def _openai_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
-    """The OpenAI API, mounted at /v1, with its own error shape and key check (gateway.boundary)."""
+    """The OpenAI API, mounted at /v1, with its own error shape and key check (gateway.api.boundary)."""
     app = web.Application(middlewares=boundary.middlewares(boundary.OPENAI, keys))
     app[STATE] = st
     app.router.add_post("/chat/completions", chat_completions)

@@ -2,7 +2,7 @@
 
 No keys configured: the gateway is open, as it always was. With keys, every route needs
 `Authorization: Bearer <key>` except /health and / (unless auth.protect_health) and /metrics (unless
-auth.protect_metrics); gateway.boundary checks it on each app and answers 401 in that app's error shape.
+auth.protect_metrics); gateway.api.boundary checks it on each app and answers 401 in that app's error shape.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kv_bridge.config import AuthConfig, Settings, is_loopback
 
-from .errors import APIError
+from gateway.errors import APIError
 
 log = logging.getLogger("gateway.auth")
 

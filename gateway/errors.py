@@ -1,6 +1,6 @@
 """The gateway's one exception tree.
 
-Everything a handler raises is an `APIError`; each app's middleware (gateway.boundary) writes it in its API's shape.
+Everything a handler raises is an `APIError`; each app's middleware (gateway.api.boundary) writes it in its API's shape.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Admission to a prefill node (gateway/admission.py): bound, arrival order, turns per model, 429 with a computed
+"""Admission to a prefill node (gateway/cluster/admission.py): bound, arrival order, turns per model, 429 with a computed
 Retry-After, and cancellation of queued waiters leaving nothing behind."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gateway.admission import Admission, NodeAdmission
+from gateway.cluster.admission import Admission, NodeAdmission
 from gateway.errors import RateLimited
 from kv_bridge.config import AdmissionConfig
 

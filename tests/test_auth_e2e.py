@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.tokenizer import ChatTokenizer
 from kv_bridge import wire
 from kv_bridge.config import AuthConfig
 from stack import MODEL_DIR, MODEL_ID, Stack

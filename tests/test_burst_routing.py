@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fakes import LONG_TEXT, MODEL_ID, Cluster
-from gateway.rates import Rate
+from gateway.cluster.rates import Rate
 from kv_bridge import wire
 from kv_bridge.config import KVConfig, RatesConfig
 from kv_bridge.receiver import Transfer, TransferError

@@ -8,7 +8,7 @@ import json
 import aiohttp
 
 from fakes import LONG_TEXT, MODEL_DIR, MODEL_ID, REPLY, Cluster, chat_body
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.tokenizer import ChatTokenizer
 
 TOK = ChatTokenizer.from_folder(MODEL_DIR)
 

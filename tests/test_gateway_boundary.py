@@ -1,4 +1,4 @@
-"""gateway.boundary on real aiohttp apps: a root app and a mounted sub-app each answer errors and 401s in their own
+"""gateway.api.boundary on real aiohttp apps: a root app and a mounted sub-app each answer errors and 401s in their own
 shape, and a root app's middlewares leave its sub-app's requests to the sub-app."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway import boundary
+from gateway.api import boundary
 from gateway.auth import APIKeys
 from gateway.errors import RateLimited, UpstreamError
 

@@ -4,7 +4,7 @@ prefill call, a decode node holding the whole range gets no prefill call, and he
 from __future__ import annotations
 
 from fakes import LONG_TEXT, MODEL_DIR, MODEL_ID, chat_body
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.tokenizer import ChatTokenizer
 
 PROMPT = ChatTokenizer.from_folder(MODEL_DIR).encode_chat([{"role": "user", "content": LONG_TEXT}])
 PREFIX = "disagg_prefix_tokens_total"

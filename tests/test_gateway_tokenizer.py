@@ -8,7 +8,7 @@ import pytest
 
 from fakes import MODEL_DIR
 from gateway.errors import InvalidRequest
-from gateway.tokenizer import ChatTokenizer, compile_template
+from gateway.text.tokenizer import ChatTokenizer, compile_template
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from fakes import free_port
 from gateway.metrics import Metrics
-from gateway.nodes import HEALTH_MISSES, NodePool
+from gateway.cluster.nodes import HEALTH_MISSES, NodePool
 from kv_bridge.config import NodeConfig
 
 

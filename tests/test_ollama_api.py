@@ -9,7 +9,7 @@ from datetime import datetime
 
 from fakes import MODEL_DIR, MODEL_ID, REPLY, Cluster
 from kv_bridge.protocol import Sampling
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.tokenizer import ChatTokenizer
 
 TOK = ChatTokenizer.from_folder(MODEL_DIR)
 REPLY_IDS = TOK.encode(REPLY)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from fakes import MODEL_DIR, MODEL_ID, REPLY
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.tokenizer import ChatTokenizer
 
 ollama = pytest.importorskip("ollama")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

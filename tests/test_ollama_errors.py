@@ -9,7 +9,7 @@ import pytest
 
 from fakes import MODEL_ID
 from gateway.errors import ModelNotFound
-from gateway.ollama_schemas import find_route
+from gateway.api.ollama.protocol import find_route
 
 TOTAL = "disagg_requests_total"
 

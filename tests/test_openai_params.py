@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from fakes import LONG_TEXT, MODEL_DIR, MODEL_ID, REPLY, Cluster, chat_body
-from gateway.tokenizer import ChatTokenizer
+from gateway.text.tokenizer import ChatTokenizer
 
 TOK = ChatTokenizer.from_folder(MODEL_DIR)
 REPLY_IDS = TOK.encode(REPLY)
@@ -266,7 +266,7 @@ async def test_tools_rendered_when_template_supports_them(empty_config, tools_mo
 
 def test_token_pieces_are_byte_exact():
     """Byte-level tokens can split a character: bytes concatenate to the text, strings escape partial bytes."""
-    from gateway.responses import TokenPieces
+    from gateway.api.openai.render import TokenPieces
 
     pieces = TokenPieces(TOK.tokenizer)
     text = "Emoji 🙂 and 日本語, ça va?"

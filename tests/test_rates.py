@@ -1,4 +1,4 @@
-"""Learned rates (gateway/rates.py): priors first, convergence on a synthetic workload, and the TTFT cost model."""
+"""Learned rates (gateway/cluster/rates.py): priors first, convergence on a synthetic workload, and the TTFT cost model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.rates import DISAGGREGATED, LOCAL, Rate, Rates, choose_path
+from gateway.cluster.rates import DISAGGREGATED, LOCAL, Rate, Rates, choose_path
 from kv_bridge.config import RatesConfig
 
 

@@ -1,4 +1,4 @@
-"""gateway/reasoning.py on real token sequences of the families' formats (harmony for gpt_oss, <think> for Qwen3):
+"""gateway/text/reasoning.py on real token sequences of the families' formats (harmony for gpt_oss, <think> for Qwen3):
 streamed token by token as the decode node streams them, and in arbitrary text chunks as an upstream sends them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from family_streams import char_chunks, family_tokenizers, run, token_stream
-from gateway.reasoning import HarmonyParser, ThinkParser, reasoning_parser, template_kwargs
+from gateway.text.reasoning import HarmonyParser, ThinkParser, reasoning_parser, template_kwargs
 
 ANALYSIS_FINAL = ("<|channel|>analysis<|message|>The user wants the capital. It is Paris.<|end|>"
                   "<|start|>assistant<|channel|>final<|message|>The capital of France is **Paris**.<|return|>")

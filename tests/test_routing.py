@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from fakes import LONG_TEXT, MODEL_ID, Cluster, chat_body
-from gateway.nodes import PrefixAffinity
+from gateway.cluster.nodes import PrefixAffinity
 from kv_bridge.config import ModelRoute
 
 TURN_1 = [{"role": "user", "content": LONG_TEXT}]  # about 70 prompt tokens: one whole 64-token block

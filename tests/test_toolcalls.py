@@ -10,7 +10,7 @@ import random
 import pytest
 
 from family_streams import char_chunks, family_tokenizers, run, token_stream
-from gateway.toolcalls import PARSERS, ToolCall, tool_parser
+from gateway.text.toolcalls import PARSERS, ToolCall, tool_parser
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

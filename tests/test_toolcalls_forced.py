@@ -11,7 +11,7 @@ import pytest
 
 from backends.grammar import GrammarCompiler, GrammarSpec
 from fakes import MODEL_ID
-from gateway.toolcalls.forced import allowed_tools, forced_call_grammar
+from gateway.text.toolcalls.forced import allowed_tools, forced_call_grammar
 from test_toolcalls_api import ARGS, MESSAGES, QWEN_CALL, TOOLS, _cluster
 from tiny_models import write_family_tokenizer
 

@@ -1,7 +1,7 @@
 """OpenAI request validation (pydantic) for /v1/chat/completions and /v1/completions.
 
 Shape and range errors come from pydantic; `check()` adds the cross-field rules. Both become a 400 whose
-`param` names the field. Response shapes live in gateway.responses.
+`param` names the field. Response shapes live in gateway.api.openai.render.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kv_bridge.protocol import json_grammar
 
-from .errors import ContextLengthExceeded, InvalidRequest
-from .toolcalls.forced import allowed_tools
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.text.toolcalls.forced import allowed_tools
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's own default

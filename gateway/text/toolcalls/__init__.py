@@ -5,10 +5,10 @@ Each parser is fed streamed text and returns plain text and finished calls; a ma
 
 from __future__ import annotations
 
-from gateway.toolcalls.base import ToolCall, ToolDelta, ToolParser
-from gateway.toolcalls.harmony import HarmonyToolParser
-from gateway.toolcalls.hermes import HermesToolParser
-from gateway.toolcalls.qwen3_xml import Qwen3XMLToolParser
+from gateway.text.toolcalls.base import ToolCall, ToolDelta, ToolParser
+from gateway.text.toolcalls.harmony import HarmonyToolParser
+from gateway.text.toolcalls.hermes import HermesToolParser
+from gateway.text.toolcalls.qwen3_xml import Qwen3XMLToolParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5, Qwen3)

@@ -10,9 +10,9 @@ import logging
 
 import aiohttp
 
-from .nodes import NodePool, NodeState
+from gateway.cluster.nodes import NodePool, NodeState
 
-log = logging.getLogger("gateway.node_client")
+log = logging.getLogger("gateway.cluster.node_client")
 
 CONNECT_TIMEOUT_S = 5.0
 

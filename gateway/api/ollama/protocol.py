@@ -20,11 +20,11 @@ from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import DoneLine as Done
 from kv_bridge.protocol import Sampling, json_grammar
 
-from .chat import GatewayState
-from .errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
-from .output import OutputParser, tool_parser_name
-from .reasoning import parser_name, template_kwargs
-from .upstream import UpstreamInput
+from gateway.api.openai.chat import GatewayState
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from gateway.text.output import OutputParser, tool_parser_name
+from gateway.text.reasoning import parser_name, template_kwargs
+from gateway.cluster.upstream import UpstreamInput
 
 # Ollama's documented defaults. Its repeat_penalty default (1.1) is not applied unless asked for: it would make
 # greedy answers differ from the OpenAI path and from vLLM's and MLX's own generation.

@@ -1,5 +1,5 @@
 """What the API handlers share: the gateway state, the per-request metrics wrapper, OpenAI sampling, and `run`:
-n choices of one prompt through the orchestrator, answered by gateway.relay in the API's framing.
+n choices of one prompt through the orchestrator, answered by gateway.api.relay in the API's framing.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from aiohttp import web
 from kv_bridge.config import ModelRoute, Settings
 from kv_bridge.protocol import Sampling
 
-from . import relay
-from .errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
-from .metrics import Metrics, RequestRecord
-from .nodes import NodePool
-from .orchestrator import Choices, Orchestrator, per_choice
-from .relay import Framing
-from .responses import TokenPieces
-from .schemas import GenerationRequest, parse_json
-from .tokenizer import ChatTokenizer
-from .upstream import Prompt
+from gateway.api import relay
+from gateway.errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
+from gateway.metrics import Metrics, RequestRecord
+from gateway.cluster.nodes import NodePool
+from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
+from gateway.api.relay import Framing
+from gateway.api.openai.render import TokenPieces
+from gateway.api.openai.protocol import GenerationRequest, parse_json
+from gateway.text.tokenizer import ChatTokenizer
+from gateway.cluster.upstream import Prompt
 
-log = logging.getLogger("gateway.serving")
+log = logging.getLogger("gateway.api.serving")
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import Collection
 
 from aiohttp import web
 
-from .auth import APIKeys, refusal
-from .errors import APIError
+from gateway.auth import APIKeys, refusal
+from gateway.errors import APIError
 
 log = logging.getLogger("gateway")
 

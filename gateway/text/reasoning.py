@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.markers import MarkerScanner
+from gateway.text.markers import MarkerScanner
 
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 HARMONY_STOPS = ("<|return|>", "<|call|>")  # harmony's end-of-turn tokens: generation stops on either

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from .metrics import RequestRecord
-from .responses import CompletionRenderer, OpenAIFraming
-from .schemas import DEFAULT_COMPLETION_MAX_TOKENS, parse_completion_request, resolve_max_tokens
-from .serving import GatewayState, endpoint, read_body, run, sampling_for
-from .upstream import Prompt, UpstreamInput
+from gateway.metrics import RequestRecord
+from gateway.api.openai.render import CompletionRenderer, OpenAIFraming
+from gateway.api.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, parse_completion_request, resolve_max_tokens
+from gateway.api.serving import GatewayState, endpoint, read_body, run, sampling_for
+from gateway.cluster.upstream import Prompt, UpstreamInput
 
 
 async def _completions(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:

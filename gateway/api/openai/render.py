@@ -18,10 +18,10 @@ from tokenizers import Tokenizer, decoders
 from kv_bridge.protocol import DoneLine
 from kv_bridge.protocol import TokenLine as Token
 
-from .errors import APIError
-from .output import OutputParser, Parts
-from .relay import Framing, sse
-from .schemas import usage
+from gateway.errors import APIError
+from gateway.text.output import OutputParser, Parts
+from gateway.api.relay import Framing, sse
+from gateway.api.openai.protocol import usage
 
 
 @lru_cache(maxsize=1)
@@ -147,7 +147,7 @@ class ChatRenderer(_Renderer):
                  reasoning: str | None = None, tools: str | None = None, tool_list: list[dict] | None = None) -> None:
         super().__init__(model, pieces, include_usage)
         self.logprobs = logprobs
-        # Parser names (gateway.reasoning, gateway.toolcalls); both None: all text is content, as it comes.
+        # Parser names (gateway.text.reasoning, gateway.text.toolcalls); both None: all text is content, as it comes.
         self.reasoning, self.tools, self.tool_list = reasoning, tools, tool_list
         self._parsers: dict[int, OutputParser] = {}
 

@@ -12,11 +12,11 @@ from aiohttp import web
 
 from kv_bridge.protocol import DoneLine, TokenLine
 
-from .errors import APIError, ClientDisconnected
-from .metrics import RequestRecord
-from .orchestrator import Choices
+from gateway.errors import APIError, ClientDisconnected
+from gateway.metrics import RequestRecord
+from gateway.cluster.orchestrator import Choices
 
-log = logging.getLogger("gateway.serving")
+log = logging.getLogger("gateway.api.serving")
 
 Frame = Any  # a JSON object (or, for SSE, the string "[DONE]"); `Framing.encode` makes it bytes
 

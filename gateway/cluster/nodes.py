@@ -16,9 +16,9 @@ import aiohttp
 
 from kv_bridge.config import ModelRoute, NodeConfig
 
-from .metrics import Metrics
+from gateway.metrics import Metrics
 
-log = logging.getLogger("gateway.nodes")
+log = logging.getLogger("gateway.cluster.nodes")
 HEALTH_MISSES = 3  # health checks in a row without an answer before a node that still accepts connections is down
 
 

@@ -1,10 +1,10 @@
 """gpt-oss harmony calls: a message to `functions.NAME` (`<|channel|>commentary to=functions.NAME <|constrain|>json
-<|message|>{...}<|call|>`), found by gateway.reasoning's HarmonyParser, which also splits analysis from final."""
+<|message|>{...}<|call|>`), found by gateway.text.reasoning's HarmonyParser, which also splits analysis from final."""
 
 from __future__ import annotations
 
-from gateway.reasoning import HarmonyMessage, HarmonyParser
-from gateway.toolcalls.base import ToolCall, ToolDelta, arguments_text
+from gateway.text.reasoning import HarmonyMessage, HarmonyParser
+from gateway.text.toolcalls.base import ToolCall, ToolDelta, arguments_text
 
 
 def call_from_message(m: HarmonyMessage) -> ToolCall | None:

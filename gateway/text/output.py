@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .reasoning import Delta, HarmonyParser, reasoning_parser
-from .toolcalls import ToolCall, tool_parser
-from .toolcalls.harmony import calls_from
+from gateway.text.reasoning import Delta, HarmonyParser, reasoning_parser
+from gateway.text.toolcalls import ToolCall, tool_parser
+from gateway.text.toolcalls.harmony import calls_from
 
 # A model family's default tool-call format (config.toml `tool_parser` overrides it; "none": no parsing).
 FAMILY_TOOLS = {"gpt_oss": "harmony", "qwen3_moe": "qwen3_coder", "qwen3": "hermes", "qwen2": "hermes"}

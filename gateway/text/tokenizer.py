@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from kv_bridge.config import ConfigError
 
-from .errors import InvalidRequest
+from gateway.errors import InvalidRequest
 
 # tokenizer_config.json keys that transformers passes to every template (its `special_tokens_map`).
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kv_bridge.config import AdmissionConfig
 
-from .errors import RateLimited
+from gateway.errors import RateLimited
 
 
 @dataclass(eq=False)
@@ -45,7 +45,7 @@ class NodeAdmission:
     def __init__(self, name: str, cfg: AdmissionConfig, rate: Callable[[], float]) -> None:
         self.name = name
         self.cfg = cfg
-        self.rate = rate  # this node's prompt tokens/s (gateway.rates), for Retry-After and wait estimates
+        self.rate = rate  # this node's prompt tokens/s (gateway.cluster.rates), for Retry-After and wait estimates
         self.inflight_tokens = 0
         self.queued_tokens = 0
         self._queues: OrderedDict[str, deque[_Waiter]] = OrderedDict()  # rotation order: the next turn first

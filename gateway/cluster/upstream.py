@@ -20,10 +20,10 @@ from typing import Any, AsyncIterator
 from kv_bridge.config import ConfigError, ModelRoute, UpstreamConfig
 from kv_bridge.protocol import DoneLine, Path, Sampling, TokenLine
 
-from .errors import UpstreamError
-from .nodes import Lease
+from gateway.errors import UpstreamError
+from gateway.cluster.nodes import Lease
 
-log = logging.getLogger("gateway.upstream")
+log = logging.getLogger("gateway.cluster.upstream")
 
 UPSTREAM = Path.UPSTREAM  # the path, and what x-disagg-decode-node says
 

@@ -11,15 +11,15 @@ from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import DoneLine, Fallback, Path, Sampling, TokenLine
 from kv_bridge.stops import StopMatcher
 
-from .errors import UpstreamError
-from .generation import Generation
-from .metrics import Metrics
-from .nodes import NodeState
+from gateway.errors import UpstreamError
+from gateway.cluster.generation import Generation
+from gateway.metrics import Metrics
+from gateway.cluster.nodes import NodeState
 
 # reopen(prompt, sampling, tried node names, fallbacks so far): a generation on another decode node, or None.
 Reopen = Callable[[list[int], Sampling, list[str], list[str]], Awaitable[Generation | None]]
 
-log = logging.getLogger("gateway.orchestrator")
+log = logging.getLogger("gateway.cluster.orchestrator")
 
 
 class Resumable:

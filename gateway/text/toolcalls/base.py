@@ -6,7 +6,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.markers import MarkerScanner
+from gateway.text.markers import MarkerScanner
 
 
 @dataclass

@@ -19,13 +19,13 @@ import aiohttp
 from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import DoneLine, Fallback, Path, ProtocolError, Sampling, TokenLine
 
-from .errors import InvalidRequest, NodeBusy, NodeUnavailable, RateLimited, UpstreamError
-from .node_client import NodeClient, error_text
-from .admission import Ticket
-from .nodes import Lease, NodeState
-from .rates import Rates
+from gateway.errors import InvalidRequest, NodeBusy, NodeUnavailable, RateLimited, UpstreamError
+from gateway.cluster.node_client import NodeClient, error_text
+from gateway.cluster.admission import Ticket
+from gateway.cluster.nodes import Lease, NodeState
+from gateway.cluster.rates import Rates
 
-log = logging.getLogger("gateway.orchestrator")
+log = logging.getLogger("gateway.cluster.orchestrator")
 
 # After decode's done line, wait this long for the prefill call to answer (for its timing) before cancelling it.
 PREFILL_GRACE_S = 2.0

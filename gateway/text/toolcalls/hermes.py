@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from gateway.toolcalls.base import ToolCall, ToolParser, arguments_text
+from gateway.text.toolcalls.base import ToolCall, ToolParser, arguments_text
 
 
 class HermesToolParser(ToolParser):

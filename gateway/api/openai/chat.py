@@ -9,15 +9,15 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from .errors import InvalidRequest
-from .metrics import RequestRecord
-from .output import tool_parser_name
-from .reasoning import parser_name, template_kwargs
-from .responses import ChatRenderer, OpenAIFraming
-from .schemas import parse_chat_request, resolve_max_tokens
-from .serving import STATE, GatewayState, endpoint, read_body, run, sampling_for
-from .toolcalls.forced import forced_call_grammar
-from .upstream import Prompt, UpstreamInput
+from gateway.errors import InvalidRequest
+from gateway.metrics import RequestRecord
+from gateway.text.output import tool_parser_name
+from gateway.text.reasoning import parser_name, template_kwargs
+from gateway.api.openai.render import ChatRenderer, OpenAIFraming
+from gateway.api.openai.protocol import parse_chat_request, resolve_max_tokens
+from gateway.api.serving import STATE, GatewayState, endpoint, read_body, run, sampling_for
+from gateway.text.toolcalls.forced import forced_call_grammar
+from gateway.cluster.upstream import Prompt, UpstreamInput
 
 __all__ = ["STATE", "GatewayState", "chat_completions"]
 
@@ -38,7 +38,7 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
     tools = tool_parser_name(route.tool_parser, tok.model_type) if req.tools and req.tool_choice != "none" else None
     grammar = req.grammar()
-    if forced := req.forced_tools():  # the call is masked into the model's own format (gateway/toolcalls/forced.py)
+    if forced := req.forced_tools():  # the call is masked into the model's own format (gateway/text/toolcalls/forced.py)
         try:
             grammar = forced_call_grammar(tools or "", forced, lambda t: tok.tokenizer.token_to_id(t) is not None)
         except ValueError as e:

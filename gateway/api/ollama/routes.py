@@ -1,6 +1,6 @@
 """The gateway as an Ollama drop-in: /, /api/version, /api/tags, /api/show, /api/ps, /api/generate, /api/chat.
 
-`api_app` is the /api sub-app (errors as `{"error": "..."}`, gateway.boundary); `root` is served by the gateway app.
+`api_app` is the /api sub-app (errors as `{"error": "..."}`, gateway.api.boundary); `root` is served by the gateway app.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from aiohttp import web
 
 from kv_bridge.config import ModelRoute, resolve_model_path
 
-from . import boundary
-from .auth import APIKeys
-from .errors import APIError, InvalidRequest, NoHealthyNode
-from .metrics import RequestRecord
-from .ollama_schemas import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
-from .relay import Framing, ndjson
-from .serving import STATE, GatewayState, endpoint, run
-from .upstream import Prompt
+from gateway.api import boundary
+from gateway.auth import APIKeys
+from gateway.errors import APIError, InvalidRequest, NoHealthyNode
+from gateway.metrics import RequestRecord
+from gateway.api.ollama.protocol import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
+from gateway.api.relay import Framing, ndjson
+from gateway.api.serving import STATE, GatewayState, endpoint, run
+from gateway.cluster.upstream import Prompt
 
 # Plain semver: clients compare it, and a pre-release suffix ("-disagg") would sort below the release.
 VERSION = "0.9.0"
@@ -280,7 +280,7 @@ class OllamaFraming(Framing):
 
 
 def api_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
-    """The Ollama API, mounted at /api, with its own error shape and key check (gateway.boundary). Ollama's root
+    """The Ollama API, mounted at /api, with its own error shape and key check (gateway.api.boundary). Ollama's root
     route (`root`, "Ollama is running") lives on the gateway app: aiohttp mounts no sub-app at "/"."""
     app = web.Application(middlewares=boundary.middlewares(boundary.OLLAMA, keys))
     app[STATE] = st

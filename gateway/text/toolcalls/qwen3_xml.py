@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.toolcalls.base import ToolCall, ToolParser
+from gateway.text.toolcalls.base import ToolCall, ToolParser
 
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.S)

@@ -1,5 +1,5 @@
 """One generation across nodes, per docs/protocol.md and docs/routing.md: choose the path by predicted time to first
-token (gateway/rates.py), wait for the prefill node's admission (gateway/admission.py), open the decode stream, then
+token (gateway/cluster/rates.py), wait for the prefill node's admission (gateway/cluster/admission.py), open the decode stream, then
 (disaggregated path) ask a prefill node to push KV for prompt[kv_start:-1] to the decode node (which holds the KV of the first kv_start
 tokens already; none to push when that is all of them); abort the transfer if prefill fails. `Choices` runs
 n such generations of one prompt concurrently and merges their streams.
@@ -25,16 +25,16 @@ import aiohttp
 from kv_bridge.config import ModelRoute, Settings
 from kv_bridge.protocol import SEED_SPACE, DoneLine, Fallback, Sampling, TokenLine
 
-from .errors import NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
-from .failover import Resumable
-from .admission import Admission, Ticket
-from .generation import Generation, PrefillRoute
-from .node_client import NodeClient
-from .nodes import Lease, NodePool, NodeState, PrefixAffinity
-from .rates import DISAGGREGATED, Rates, choose_path
-from .upstream import Prompt, UpstreamGeneration, check_upstreams
+from gateway.errors import NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
+from gateway.cluster.failover import Resumable
+from gateway.cluster.admission import Admission, Ticket
+from gateway.cluster.generation import Generation, PrefillRoute
+from gateway.cluster.node_client import NodeClient
+from gateway.cluster.nodes import Lease, NodePool, NodeState, PrefixAffinity
+from gateway.cluster.rates import DISAGGREGATED, Rates, choose_path
+from gateway.cluster.upstream import Prompt, UpstreamGeneration, check_upstreams
 
-log = logging.getLogger("gateway.orchestrator")
+log = logging.getLogger("gateway.cluster.orchestrator")
 
 
 class Orchestrator:
@@ -71,7 +71,7 @@ class Orchestrator:
         """The prefill node to wait for, or None for local prefill: above the `min_disagg_tokens` floor, the prefill
         node with the lowest predicted time to first token (its queue and this prompt at its learned rate, plus the
         transfer), unless the decode node prefilling the prompt itself (behind its other local prefills) is sooner by
-        more than the stall that would impose on the node's other generations (gateway/rates.py, `local_stall`).
+        more than the stall that would impose on the node's other generations (gateway/cluster/rates.py, `local_stall`).
         `leased`: the asking generation already holds a lease on `decode` (a reroute), so it is not one of them."""
         kv_tokens = len(prompt) - 1
         if kv_tokens < route.min_disagg_tokens:
