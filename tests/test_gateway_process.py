@@ -21,7 +21,19 @@ FORBIDDEN = ("torch", "vllm", "mlx", "mlx_lm", "transformers", "backends")
 # matcher it runs after a mid-stream failover (the decode node's own, so both cut a stop string at the same place).
 GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops")
 
-GATEWAY_MODULES = sorted(f"gateway.{p.stem}" for p in (ROOT / "gateway").glob("*.py") if p.stem != "__init__")
+
+
+def _module(path: Path) -> str:
+    """gateway/api/openai/chat.py -> gateway.api.openai.chat; a package's __init__.py -> the package."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+GATEWAY_FILES = sorted((ROOT / "gateway").rglob("*.py"))
+GATEWAY_MODULES = [_module(p) for p in GATEWAY_FILES if _module(p) != "gateway"]
+# Dependencies run one way inside the gateway (DESIGN.md): the client APIs use the text and cluster code, never the
+# reverse, and the text code (templates, parsers) knows nothing of nodes.
+LAYERS = {"gateway.cluster": ("gateway.api", "gateway.text"), "gateway.text": ("gateway.api", "gateway.cluster")}
 
 
 def test_import_leaves_heavy_modules_out():
@@ -38,23 +50,25 @@ def test_import_leaves_heavy_modules_out():
 
 
 def _gateway_imports(path: Path) -> set[str]:
-    """The gateway modules `path` imports, at any depth of its tree (TYPE_CHECKING blocks and function bodies too)."""
+    """The gateway modules `path` imports (dotted), at any depth of its tree (TYPE_CHECKING blocks, function bodies)."""
+    here = _module(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                out.add(node.module.split(".")[0])
-            else:  # from . import a, b
-                out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gateway."):
-            out.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(x for x in (base, node.module or "") if x)
+            if not module.startswith("gateway"):
+                continue
+            known = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in GATEWAY_MODULES]
+            out.update(known or [module])
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("gateway."))
-    return out
+            out.update(a.name for a in node.names if a.name.startswith("gateway."))
+    return out - {"gateway"}
 
 
 def test_gateway_modules_have_no_import_cycle():
-    graph = {p.stem: _gateway_imports(p) for p in (ROOT / "gateway").glob("*.py")}
+    graph = {_module(p): _gateway_imports(p) for p in GATEWAY_FILES}
     state: dict[str, str] = {}  # "open" while on the DFS stack, "done" after
 
     def visit(mod: str, stack: list[str]) -> None:
@@ -78,8 +92,18 @@ def test_every_module_stays_under_400_lines():
             assert n < 400, f"{path.relative_to(ROOT)} has {n} lines"
 
 
+def test_gateway_layers_depend_one_way():
+    """cluster/ and text/ never import the client APIs, and text/ never imports cluster/ (nor the reverse)."""
+    for path in GATEWAY_FILES:
+        mod = _module(path)
+        for layer, forbidden in LAYERS.items():
+            if mod == layer or mod.startswith(layer + "."):
+                bad = [d for d in _gateway_imports(path) if d.startswith(forbidden)]
+                assert not bad, f"{mod} imports {bad}: dependencies run api -> text/cluster only"
+
+
 def test_gateway_imports_only_kv_bridge_config():
-    for path in (ROOT / "gateway").glob("*.py"):
+    for path in GATEWAY_FILES:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

@@ -1,4 +1,5 @@
-"""Learned rates (gateway/cluster/rates.py): priors first, convergence on a synthetic workload, and the TTFT cost model."""
+"""Learned rates (gateway/cluster/rates.py): priors first, convergence on a synthetic workload, and the TTFT cost
+model."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """One generation across nodes, per docs/protocol.md and docs/routing.md: choose the path by predicted time to first
-token (gateway/cluster/rates.py), wait for the prefill node's admission (gateway/cluster/admission.py), open the decode stream, then
-(disaggregated path) ask a prefill node to push KV for prompt[kv_start:-1] to the decode node (which holds the KV of the first kv_start
-tokens already; none to push when that is all of them); abort the transfer if prefill fails. `Choices` runs
-n such generations of one prompt concurrently and merges their streams.
-
-Fallbacks, in order, each counted in disagg_fallbacks_total{reason} and listed in x-disagg-fallbacks: another
-decode node when one refuses or fails before its stream starts (decode_node_failed), or when its stream breaks
-after that (decode_failover: `Resumable` continues the same stream there); another prefill node when one
-cannot be reached (prefill_node_failed); decode-local prefill when the KV does not arrive (kv_timeout, kv_error,
-kv_aborted: path "fallback"); the model's configured upstream through litellm (upstream: path "upstream"); then 429
-when the pool is only full, else 503 (no_capacity).
+token (gateway/cluster/rates.py), wait for the prefill node's admission (gateway/cluster/admission.py), open the
+decode stream, then (disaggregated path) ask a prefill node to push KV for prompt[kv_start:-1] to the decode node
+(which holds the KV of the first kv_start tokens already; none to push when that is all of them); abort the transfer
+if prefill fails. `Choices` runs n such generations of one prompt concurrently and merges their streams. Fallbacks,
+in order, each counted in disagg_fallbacks_total{reason} and listed in x-disagg-fallbacks: another decode node when
+one refuses or fails before its stream starts (decode_node_failed), or when its stream breaks after that
+(decode_failover: `Resumable` continues the same stream there); another prefill node when one cannot be reached
+(prefill_node_failed); decode-local prefill when the KV does not arrive (kv_timeout, kv_error, kv_aborted: path
+"fallback"); the model's configured upstream through litellm (upstream: path "upstream"); then 429 when the pool is
+only full, else 503 (no_capacity).
 """
 
 from __future__ import annotations

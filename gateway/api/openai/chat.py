@@ -38,7 +38,8 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
     tools = tool_parser_name(route.tool_parser, tok.model_type) if req.tools and req.tool_choice != "none" else None
     grammar = req.grammar()
-    if forced := req.forced_tools():  # the call is masked into the model's own format (gateway/text/toolcalls/forced.py)
+    # the call is masked into the model's own format (gateway/text/toolcalls/forced.py)
+    if forced := req.forced_tools():
         try:
             grammar = forced_call_grammar(tools or "", forced, lambda t: tok.tokenizer.token_to_id(t) is not None)
         except ValueError as e:
