@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 import urllib.request
 
 import pytest
 
+import oracle
 from stack import MODEL_ID
 
 pytestmark = pytest.mark.e2e
@@ -28,9 +30,11 @@ def post(url: str, body: dict | bytes, timeout: float = 300) -> tuple[int, dict,
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
+            status, headers, got = r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read())
+        status, headers, got = e.code, dict(e.headers), json.loads(e.read())
+    oracle.check(urllib.parse.urlsplit(url).path, status, got)
+    return status, headers, got
 
 
 def chat(stack, content: str, **extra) -> tuple[int, dict, dict]:
@@ -92,6 +96,8 @@ def test_streaming_equals_non_streaming(stack):
         lines = [ln.decode().strip() for ln in r if ln.strip()]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    for c in chunks:
+        oracle.check_openai_chunk("/v1/chat/completions", c)
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert streamed == body["choices"][0]["message"]["content"]
 
