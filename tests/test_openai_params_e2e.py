@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
+import openai
 import pytest
 
 from stack import MODEL_ID
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
 
 QUESTION = "What is the capital of France?"
