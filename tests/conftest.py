@@ -20,14 +20,8 @@ SESSION_ENV = {"DISAGG_GATEWAY__ADMISSION__MAX_INFLIGHT_TOKENS": "4096"}
 def stack(tmp_path_factory):
     """One real stack for the session (docs/testing.md): uniprocess vLLM engine, one decode node, gateway. Only the
     one test per role whose subject is the restart kills a node, and it restarts it before it ends."""
-    s = Stack(tmp_path_factory.mktemp("stack"), env=SESSION_ENV)
-    try:
-        s.start_all(["decode-0", "prefill-0", "gateway"])
-    except Exception:
-        s.stop()
-        raise
-    yield s
-    s.stop()
+    with Stack(tmp_path_factory.mktemp("stack"), env=SESSION_ENV).running(["decode-0", "prefill-0", "gateway"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

@@ -151,6 +151,15 @@ class Stack:
             return f"http://127.0.0.1:{self.settings.gateway.port}"
         return self.settings.node(name).url
 
+    @contextlib.contextmanager
+    def running(self, names: list[str]):
+        """The named roles started together, and every role stopped when the block ends, however it ends."""
+        try:
+            self.start_all(names)
+            yield self
+        finally:
+            self.stop()
+
     def start(self, name: str, timeout: float = 600, env: dict[str, str] | None = None) -> None:
         self.start_all([name], timeout, env)
 

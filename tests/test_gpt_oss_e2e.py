@@ -22,12 +22,9 @@ pytestmark = pytest.mark.e2e
 def oss(tmp_path_factory):
     folder = build_family("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "model")
     s = Stack(tmp_path_factory.mktemp("oss-stack"), model_dir=folder)
-    try:
-        s.start_all(["decode-0", "gateway"])  # no prefill node: the local path
-        ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    with s.running(["decode-0", "gateway"]):  # no prefill node: the local path
         yield s, {t["content"]: t["id"] for t in ids}
-    finally:
-        s.stop()
 
 
 def post(s: Stack, path: str, body: dict) -> tuple[int, dict]:
