@@ -89,6 +89,23 @@ def send_then_drain(port: int, frames: list[bytes], timeout: float = 10) -> None
             pass
 
 
+async def run_script(script: Path, arg: Path, log_path: Path, timeout: float = 400) -> None:
+    """`python script arg` in its own process group (an engine and its workers), its output in `log_path`; killed
+    whole past `timeout`; asserts it exits 0, showing the log's tail."""
+    import asyncio
+
+    with open(log_path, "wb") as log:
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(script), str(arg), cwd=ROOT, stdout=log,
+                                                    stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = await asyncio.wait_for(proc.wait(), timeout)
+    finally:
+        if proc.returncode is None:  # timed out: the engine and its workers share the child's process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    assert rc == 0, log_path.read_text(errors="replace")[-4000:]
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
