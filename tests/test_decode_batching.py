@@ -15,7 +15,7 @@ import pytest
 from kv_bridge import wire
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.sender import KVSender
-from stack import MODEL_DIR, MODEL_ID, Stack
+from stack import MODEL_DIR, MODEL_ID
 
 pytestmark = pytest.mark.e2e
 
@@ -31,14 +31,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def decode(tmp_path_factory):
-    """A real decode node process, alone (no prefill node: local prefill, or KV this test sends itself)."""
-    s = Stack(tmp_path_factory.mktemp("batching"))
-    try:
-        s.start("decode-0")
-        yield s
-    finally:
-        s.stop()
+def decode(stack):
+    """The session stack's real decode node, driven directly: local prefill, or KV this test sends itself (its
+    prefill node and gateway stay idle meanwhile)."""
+    return stack
 
 
 def body(ids: list[int], max_tokens: int, stop=(), **extra) -> dict:

@@ -33,11 +33,8 @@ def decode(tmp_path_factory):
     # KV never comes for the "leave_kv" requests: a node that kept waiting after their clients left would hold
     # them (and their transfers) far beyond the soak, so the check below would see them.
     s = Stack(folder, kv_timeout_s=3600, model_dir=tiny_models.build("llama", folder / "tiny-llama"))
-    try:
-        s.start("decode-0")
+    with s.running(["decode-0"]):
         yield s
-    finally:
-        s.stop()
 
 
 async def one(s: aiohttp.ClientSession, url: str, rng: random.Random, tok) -> str:

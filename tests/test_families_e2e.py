@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -23,7 +21,6 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parent.parent
 TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the annual budget "
         "for rivers, mountains and the history of early computing machines. ") * 20
 WINDOW = 16  # gpt_oss sliding_window of the tiny checkpoint
@@ -58,7 +55,7 @@ async def _vllm_kv(vllm_dir: Path, mlx_dir: Path, prompts: list[list[int]], tmp:
     from kv_bridge.config import KVConfig
     from kv_bridge.fingerprint import kv_spec
     from kv_bridge.receiver import KVReceiver
-    from stack import free_port
+    from stack import free_port, run_script
 
     receiver, port = KVReceiver(KVConfig()), free_port()
     await receiver.start("127.0.0.1", port)
@@ -67,16 +64,7 @@ async def _vllm_kv(vllm_dir: Path, mlx_dir: Path, prompts: list[list[int]], tmp:
         transfers = [receiver.expect(t, len(ids), kv_spec(mlx_dir)) for t, ids in zip(tids, prompts)]
         job = tmp / "job.json"
         job.write_text(json.dumps({"model": str(vllm_dir), "port": port, "prompts": list(zip(tids, prompts))}))
-        with open(tmp / "vllm.log", "wb") as log:
-            proc = await asyncio.create_subprocess_exec(sys.executable, __file__, str(job), cwd=ROOT, stdout=log,
-                                                        stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = await asyncio.wait_for(proc.wait(), 400)
-        finally:
-            if proc.returncode is None:  # timed out: the engine and its workers share the child's process group
-                os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        assert rc == 0, (tmp / "vllm.log").read_text(errors="replace")[-4000:]
+        await run_script(Path(__file__), job, tmp / "vllm.log")
         return [await t.result(10) for t in transfers]
     finally:
         await receiver.stop()

@@ -100,13 +100,8 @@ def relay():
 def stack2(tmp_path_factory, relay):
     s = Stack(tmp_path_factory.mktemp("stack2"), decode_nodes=2, kv_advertise_port={"decode-0": relay.port})
     relay.target_port = s.settings.node("decode-0").kv_port
-    try:
-        s.start_all(["decode-0", "decode-1", "prefill-0", "gateway"])
-    except Exception:
-        s.stop()
-        raise
-    yield s
-    s.stop()
+    with s.running(["decode-0", "decode-1", "prefill-0", "gateway"]):
+        yield s
 
 
 def request(stack: Stack, content: str, max_tokens: int, stream: bool = False):

@@ -7,6 +7,7 @@ import json
 
 import aiohttp
 
+import oracle
 from fakes import LONG_TEXT, MODEL_DIR, MODEL_ID, REPLY, Cluster, chat_body
 from gateway.text.tokenizer import ChatTokenizer
 
@@ -25,6 +26,7 @@ async def stream_events(c: Cluster, body: dict) -> tuple[int, dict, list]:
         if block.startswith("data: "):
             data = block[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
+            oracle.check_openai_chunk("/v1/chat/completions", events[-1])
     return r.status, dict(r.headers), events
 
 async def test_disaggregated_request(cluster):

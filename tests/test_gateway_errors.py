@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fakes import LONG_TEXT, MODEL_ID, Cluster, chat_body
+from fakes import LONG_TEXT, MODEL_ID, REPLY, Cluster, chat_body
+from kv_bridge.protocol import Sampling
 
 def assert_error(status: int, body: dict, want_status: int, *, param=None, code=None, type_=None) -> dict:
     assert status == want_status, body
@@ -77,8 +78,13 @@ async def test_missing_model(cluster):
     assert_error(status, resp, 400, param="model")
 
 async def test_extra_fields_allowed(cluster):
+    """Fields OpenAI defines that change nothing here are accepted, answered as usual, and reach the node as the
+    sampling they mean (no logprobs, no penalty)."""
     status, _, body = await cluster.chat(chat_body("hi", user="me", logprobs=False, frequency_penalty=0))
     assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == REPLY and body["choices"][0]["logprobs"] is None
+    sent = Sampling.from_json(cluster.decode.requests[-1])
+    assert sent.logprobs is None and sent.frequency_penalty == 0.0 and "user" not in cluster.decode.requests[-1]
 
 async def test_context_length_exceeded(empty_config):
     c = await Cluster(max_model_len=64).start()
@@ -136,9 +142,13 @@ async def test_outside_ollama_api_unknown_paths_and_methods_are_openai_errors(cl
             assert "GET" in r.headers["Allow"]
 
 
-async def test_null_content_renders_empty(cluster):
+async def test_null_content_renders_empty(cluster, hf_tokenizer):
+    """content null renders as the model's own chat template renders an empty message (transformers' reference)."""
     status, _, body = await cluster.chat({"model": MODEL_ID, "messages": [{"role": "user", "content": None}]})
     assert status == 200, body
+    text = hf_tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True,
+                                            tokenize=False)
+    assert cluster.decode.requests[-1]["token_ids"] == hf_tokenizer.encode(text, add_special_tokens=False)
 
 async def _health(c: Cluster, status: int) -> bool:
     async with c.http.get(f"{c.url}/health") as r:

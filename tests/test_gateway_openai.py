@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from fakes import LONG_TEXT, MODEL_ID, REPLY
 
-openai = pytest.importorskip("openai")
 
 def client(c) -> "openai.AsyncOpenAI":
     return openai.AsyncOpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)

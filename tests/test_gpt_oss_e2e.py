@@ -8,12 +8,11 @@ call by the decode node's grammar."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
 from stack import MODEL_ID, Stack
+from test_e2e import post as e2e_post
 from tiny_models import build_family
 
 pytestmark = pytest.mark.e2e
@@ -23,22 +22,14 @@ pytestmark = pytest.mark.e2e
 def oss(tmp_path_factory):
     folder = build_family("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "model")
     s = Stack(tmp_path_factory.mktemp("oss-stack"), model_dir=folder)
-    try:
-        s.start_all(["decode-0", "gateway"])  # no prefill node: the local path
-        ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    with s.running(["decode-0", "gateway"]):  # no prefill node: the local path
         yield s, {t["content"]: t["id"] for t in ids}
-    finally:
-        s.stop()
 
 
 def post(s: Stack, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(s.url("gateway") + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    status, _, got = e2e_post(s.url("gateway") + path, body)  # checked against openai's / ollama's types
+    return status, got
 
 
 @pytest.mark.parametrize("end", ["<|return|>", "<|call|>"])
@@ -52,19 +43,35 @@ def test_generation_stops_on_harmony_end_tokens(oss, end):
     assert body["choices"][0]["message"]["content"] == ""  # the end token's text is not sent
 
 
+def harmony_ids(s: Stack, **kwargs) -> list[int]:
+    """The prompt as transformers renders the checkpoint's gpt-oss chat template (the independent reference)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(s.settings.models[0].path))
+    return tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False, **kwargs)
+
+
 def test_both_apis_answer_with_the_harmony_template(oss):
+    """Each API's prompt is the gpt-oss template's rendering, with the reasoning effort its request names."""
     s, _ = oss
     status, body = post(s, "/v1/chat/completions", {"model": MODEL_ID, "max_tokens": 6, "temperature": 0,
-                                                    "messages": [{"role": "user", "content": "hi"}]})
+                                                    "messages": [{"role": "user", "content": "hi"}],
+                                                    "reasoning_effort": "high"})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+    assert body["usage"]["prompt_tokens"] == len(harmony_ids(s, reasoning_effort="high"))
     assert "reasoning_content" in body["choices"][0]["message"]  # the model's family splits reasoning
     status, body = post(s, "/api/chat", {"model": MODEL_ID, "stream": False, "think": "low",
                                          "messages": [{"role": "user", "content": "hi"}],
                                          "options": {"num_predict": 6, "temperature": 0}})
     assert status == 200 and body["done"] and body["eval_count"] >= 1, body
-    status, body = post(s, "/api/generate", {"model": MODEL_ID, "stream": False, "prompt": "hi", "think": True,
+    assert body["prompt_eval_count"] == len(harmony_ids(s, reasoning_effort="low"))
+    status, body = post(s, "/api/generate", {"model": MODEL_ID, "stream": False, "prompt": "hi", "think": "high",
                                              "options": {"num_predict": 6, "temperature": 0}})
     assert status == 200 and body["done"], body
+    # /api/generate's context starts with the prompt's token ids: the template's with that effort, exactly (the
+    # efforts differ in one token, so the lengths above cannot tell them apart)
+    assert body["context"][:body["prompt_eval_count"]] == harmony_ids(s, reasoning_effort="high")
 
 
 def test_forced_tool_call_is_masked_into_harmony(oss):

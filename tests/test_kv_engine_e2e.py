@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -20,7 +18,6 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parent.parent
 TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the annual budget "
         "for rivers, mountains and the history of early computing machines. ") * 30
 DECODE_TOKENS = 8
@@ -52,7 +49,7 @@ async def bridged(model_dir: Path, prompts: list[list[int]], engine: dict, tmp: 
     from kv_bridge.config import KVConfig
     from kv_bridge.fingerprint import kv_spec
     from kv_bridge.receiver import KVReceiver
-    from stack import free_port
+    from stack import free_port, run_script
 
     receiver, port = KVReceiver(KVConfig()), free_port()
     await receiver.start("127.0.0.1", port)
@@ -62,16 +59,7 @@ async def bridged(model_dir: Path, prompts: list[list[int]], engine: dict, tmp: 
         job, out = tmp / "job.json", tmp / "out.json"
         job.write_text(json.dumps({"model": str(model_dir), "port": port, "prompts": list(zip(tids, prompts)),
                                    "engine": engine, "out": str(out), "env": env or {}}))
-        with open(tmp / "vllm.log", "wb") as log:
-            proc = await asyncio.create_subprocess_exec(sys.executable, __file__, str(job), cwd=ROOT, stdout=log,
-                                                        stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = await asyncio.wait_for(proc.wait(), 400)
-        finally:
-            if proc.returncode is None:  # timed out: the engine and its workers share the child's process group
-                os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        assert rc == 0, (tmp / "vllm.log").read_text(errors="replace")[-4000:]
+        await run_script(Path(__file__), job, tmp / "vllm.log")
         return [await t.result(10) for t in transfers], json.loads(out.read_text())["preemptions"]
     finally:
         await receiver.stop()

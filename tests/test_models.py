@@ -34,6 +34,7 @@ def prepared(tmp_path_factory) -> Path:
     return dest
 
 
+@pytest.mark.e2e  # the module's one real `models prepare` of SmolLM2 (~25 s alone, minutes on a busy box)
 def test_prepare_builds_a_folder_that_passes_check(prepared):
     assert check(prepared) == []
     cfg = json.loads((prepared / "config.json").read_text())
@@ -44,6 +45,7 @@ def test_prepare_builds_a_folder_that_passes_check(prepared):
     assert [p.name for p in prepared.parent.iterdir()] == [prepared.name]
 
 
+@pytest.mark.e2e  # the module's one real `models prepare` of SmolLM2 (~25 s alone, minutes on a busy box)
 def test_second_prepare_is_a_noop(prepared):
     before = _mtimes(prepared)
     assert prepare(prepared, MODEL_ID) == prepared
@@ -61,6 +63,7 @@ def _copy_light(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.e2e  # the module's one real `models prepare` of SmolLM2 (~25 s alone, minutes on a busy box)
 def test_check_flags_a_corrupted_config(prepared, tmp_path):
     bad = _copy_light(prepared, tmp_path / "bad")
     cfg = json.loads((bad / "config.json").read_text())
@@ -77,6 +80,7 @@ def test_check_flags_a_corrupted_config(prepared, tmp_path):
     assert any("config.json unreadable" in p for p in check(bad))
 
 
+@pytest.mark.e2e  # the module's one real `models prepare` of SmolLM2 (~25 s alone, minutes on a busy box)
 def test_check_flags_missing_files_and_template(prepared, tmp_path):
     bad = _copy_light(prepared, tmp_path / "bad")
     (bad / "tokenizer.json").unlink()
@@ -90,6 +94,7 @@ def test_check_flags_missing_files_and_template(prepared, tmp_path):
     assert check(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere'} does not exist"]
 
 
+@pytest.mark.e2e  # the module's one real `models prepare` of SmolLM2 (~25 s alone, minutes on a busy box)
 def test_check_flags_weights_that_are_not_float32(prepared, tmp_path):
     bad = _copy_light(prepared, tmp_path / "bad")
     (bad / "model.safetensors").unlink()
@@ -103,6 +108,7 @@ def test_unknown_model_is_a_clear_error(tmp_path):
         prepare(tmp_path / "x", "llama3:70b")
 
 
+@pytest.mark.e2e  # the module's one real `models prepare` of SmolLM2 (~25 s alone, minutes on a busy box)
 def test_cli_prepare_reuses_a_prepared_folder(prepared, tmp_path):
     config = tmp_path / "config.toml"
     config.write_text(f"""
@@ -123,8 +129,9 @@ decode = ["d"]
     assert "already prepared" in r.stdout
 
 
+@pytest.mark.e2e  # the module's one real `models prepare` of SmolLM2 (~25 s alone, minutes on a busy box)
 def test_mlx_lm_answers_with_the_prepared_model(prepared):
-    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx_lm
     model, tokenizer = mlx_lm.load(str(prepared))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -7,6 +7,7 @@ import json
 import re
 from datetime import datetime
 
+import oracle
 from fakes import MODEL_DIR, MODEL_ID, REPLY, Cluster
 from kv_bridge.protocol import Sampling
 from gateway.text.tokenizer import ChatTokenizer
@@ -24,13 +25,18 @@ def chat_ids(*messages: tuple[str, str]) -> list[int]:
 
 async def post(c: Cluster, path: str, body: dict) -> tuple[int, dict, dict]:
     async with c.http.post(f"{c.url}{path}", json=body) as r:
-        return r.status, dict(r.headers), await r.json(content_type=None)
+        status, got = r.status, await r.json(content_type=None)
+    oracle.check(path, status, got)
+    return status, dict(r.headers), got
 
 
 async def ndjson(c: Cluster, path: str, body: dict) -> tuple[int, dict, list[dict]]:
     async with c.http.post(f"{c.url}{path}", json=body) as r:
         text = (await r.read()).decode()
-    return r.status, dict(r.headers), [json.loads(line) for line in text.splitlines() if line.strip()]
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    for line in lines:
+        oracle.check(path, r.status, line)
+    return r.status, dict(r.headers), lines
 
 
 def gen(prompt: str = "What is the capital of France?", **kw) -> dict:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+import ollama
 import pytest
 
 from fakes import MODEL_DIR, MODEL_ID, REPLY
 from gateway.text.tokenizer import ChatTokenizer
 
-ollama = pytest.importorskip("ollama")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 N_REPLY = len(ChatTokenizer.from_folder(MODEL_DIR).encode(REPLY))
 

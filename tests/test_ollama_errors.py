@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+import oracle
 from fakes import MODEL_ID
 from gateway.errors import ModelNotFound
 from gateway.api.ollama.protocol import find_route
@@ -19,7 +20,10 @@ async def send(c, method: str, path: str, body=None, raw: bytes | None = None) -
     async with c.http.request(method, f"{c.url}{path}", **kw) as r:
         text = await r.text()
     lines = text.splitlines()
-    return r.status, dict(r.headers), json.loads(text) if len(lines) == 1 else [json.loads(x) for x in lines]
+    body = json.loads(text) if len(lines) == 1 else [json.loads(x) for x in lines]
+    for item in body if isinstance(body, list) else [body]:
+        oracle.check(path, r.status, item)
+    return r.status, dict(r.headers), body
 
 
 def assert_error(status: int, body: dict, want: int, *needles: str) -> None:

@@ -227,11 +227,6 @@ async def test_n_choices_one_fails(cluster):
     assert status == 502 and "fake decode failure" in body["error"]["message"]
 
 
-async def test_response_format_text_accepted(cluster):
-    status, _, body = await cluster.chat(chat_body("hi", response_format={"type": "text"}))
-    assert status == 200, body
-
-
 @pytest.fixture
 def tools_model(tmp_path):
     """A model folder whose chat template renders tools (SmolLM2's tokenizer, a tools-aware template)."""

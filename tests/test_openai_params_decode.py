@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 import pytest
 
 from backends.common import NodeError
 from backends.sampling import PENALTY_CONTEXT, make_sampling, parse_sampling, token_logprobs
 from kv_bridge.protocol import Sampling
 
-mx = pytest.importorskip("mlx.core")
 VOCAB = 64
 
 

