@@ -100,7 +100,10 @@ class PinnedPool:
 class Extractor:
     def __init__(self, layout: PagedLayout, wire_dtype: str, cache_is_fp8: bool, device: torch.device):
         self.layout, self.wire_dtype, self.cache_is_fp8 = layout, wire_dtype, cache_is_fp8
-        self.device, self.cuda = device, device.type == "cuda"
+        self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # the writer sets this device by index (see _waiter)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pinned = PinnedPool() if self.cuda else None
         self._uploads: dict[tuple, torch.Tensor] = {}  # this step's index and scale tensors, on the device
