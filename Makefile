@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 EXTRAS := gateway,prefill-cpu,decode-cpu,models,dev
 STAMP  := $(VENV)/.installed
 
-.PHONY: install models serve test test-quick tools clean
+.PHONY: install models serve test test-quick test-gpu tools clean
 
 install: $(STAMP)
 
@@ -36,6 +36,16 @@ test: install models tools
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
 test-quick: install models tools
 	$(BIN)/python -m pytest -q -m "not e2e and not soak and not cuda" --durations=10
+
+# The CUDA-only tests (tests/test_kv_cuda.py) on a machine with torch + CUDA and nothing else: a venv over the
+# system's torch adds pytest and numpy only, and skips the suite's conftest (its fixtures import the gateway and
+# both engines). Refuses to "pass" by skipping: it checks for a GPU first.
+GPU_VENV ?= .venv-gpu
+test-gpu:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs torch with CUDA and a GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())"
+	$(GPU_VENV)/bin/python -m pip install -q pytest numpy
+	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/test_kv_cuda.py
 
 clean:
 	rm -rf .disagg

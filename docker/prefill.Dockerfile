@@ -1,17 +1,26 @@
-# Prefill node for the DGX Sparks (GB10: aarch64 + CUDA): NVIDIA's vLLM image, this project on top.
+# Prefill node for the DGX Sparks (GB10: aarch64 + CUDA): vLLM's own image of the release the connector is tested
+# with (0.32; the tag is multi-arch, so building on the Spark pulls its arm64 image), this project on top.
 # Build on the Spark (or with buildx --platform linux/arm64):  docker build -f docker/prefill.Dockerfile -t disagg-prefill .
-# NVIDIA's container ships a vLLM built for its CUDA and torch; pip keeps it (the project's base dependencies only,
-# not the `prefill` extra, which could pull a PyPI vLLM over it). See docs/deploy.md.
-ARG BASE=nvcr.io/nvidia/vllm:25.10-py3
+# NVIDIA's nvcr.io/nvidia/vllm images ship older vLLM releases (25.10: 0.10.2), which the connector refuses.
+# Without that image: a CUDA base with Python 3.12 and `--build-arg WITH_VLLM=1` installs the `prefill` extra
+# (PyPI's vllm 0.32.0 manylinux_2_28_aarch64 wheel and its CUDA torch). See docs/deploy.md and docs/kv_bridge.md.
+ARG BASE=vllm/vllm-openai:v0.32.0
 FROM ${BASE}
+ARG WITH_VLLM=0
 
 WORKDIR /opt/disagg
 COPY pyproject.toml README.md ./
 COPY kv_bridge ./kv_bridge
 COPY backends ./backends
 COPY gateway ./gateway
-RUN pip install --no-cache-dir . \
- && python -c "import vllm, kv_bridge.vllm.connector; print('vllm', vllm.__version__)"
+# The base's vLLM stays (base dependencies only unless WITH_VLLM=1). The connector's own version check runs here,
+# so an image with a vLLM outside the tested range fails to build rather than restart-loop at engine start.
+# DL3013: this installs the project itself; its dependencies are pinned in pyproject.toml.
+# hadolint ignore=DL3013
+RUN if [ "$WITH_VLLM" = 1 ]; then spec=".[prefill]"; else spec="."; fi \
+ && python3 -m pip install --no-cache-dir "$spec" \
+ && python3 -m kv_bridge.vllm.checks \
+ && python3 -c "import torch, kv_bridge.vllm.connector; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
 # The node listens on the HTTP port of its [[nodes]] entry; it sends KV out, so no KV port is opened here.
 ENV DISAGG_CONFIG=/etc/disagg/config.toml

@@ -206,7 +206,8 @@ class KVConfig(BaseModel):
         "buffer is paid in page faults as the KV lands); 0 allocates every transfer anew")
     sender_bytes: int = Field(
         default=1 << 30, ge=1 << 20, description="prefill node: most KV (host copies, pinned on CUDA) queued for "
-        "sending across all destinations; the forward pass waits only beyond it")
+        "one decode node; a transfer whose frame would pass it fails (decode prefills locally), the forward pass "
+        "never waits")
     connect_timeout_s: float = Field(default=5.0, gt=0)
     send_timeout_s: float = Field(default=10.0, gt=0, description="prefill node: a decode node that takes no KV for "
                                   "this long fails its own transfers (its frames are dropped, the gateway falls back)")

@@ -1,7 +1,7 @@
-"""Prefill-side KV sender: one writer thread per decode destination, host memory bounded in bytes across all.
+"""Prefill-side KV sender: one writer thread per decode destination, its queued host memory bounded in bytes.
 
-The forward pass only enqueues; it waits only when the queued KV would pass `max_bytes`, and a destination that
-stops reading fails its own transfers at its send timeout (freeing its bytes) without slowing the others.
+The forward pass only enqueues and never waits: a frame that would pass its destination's `max_bytes` fails its
+transfer at once (decode prefills locally), and a destination that stops reading fails at its send timeout.
 """
 
 from __future__ import annotations
@@ -40,24 +40,24 @@ class SenderStats:
 
 
 class _Budget:
-    """Queued payload bytes, bounded: take() waits while another `n` would pass the bound (one frame larger than
-    the whole bound still goes, alone)."""
+    """One destination's queued payload bytes, bounded: take() refuses (never waits for) an `n` that would pass the
+    bound, so one stalled decode node cannot hold up the forward pass (one frame larger than the bound goes alone)."""
 
     def __init__(self, max_bytes: int, stats: SenderStats):
         self.max_bytes, self.used, self.stats = max_bytes, 0, stats
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
 
-    def take(self, n: int) -> None:
-        with self._cond:
-            while self.used and self.used + n > self.max_bytes:
-                self._cond.wait(1.0)
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used and self.used + n > self.max_bytes:
+                return False
             self.used += n
             self.stats.peak_queued_bytes = max(self.stats.peak_queued_bytes, self.used)
+            return True
 
     def give(self, n: int) -> None:
-        with self._cond:
+        with self._lock:
             self.used -= n
-            self._cond.notify_all()
 
 
 class KVSender:
@@ -73,14 +73,14 @@ class KVSender:
         self._timeouts = (connect_timeout_s, send_timeout_s)
         self._key, self._frame_mac = key, frame_mac
         self.stats = SenderStats()
-        self._budget = _Budget(max_bytes, self.stats)
+        self._max_bytes = max_bytes  # per destination
         self._writers: dict[tuple[str, int], _Writer] = {}
         self._dest: dict[str, _Writer] = {}  # transfer id -> its destination's writer
         self._lock = threading.Lock()
 
     @property
     def queued_bytes(self) -> int:
-        return self._budget.used
+        return sum(w.budget.used for w in list(self._writers.values()))
 
     def open(self, hdr: wire.StreamHeader, host: str, port: int) -> None:
         with self._lock:
@@ -100,7 +100,11 @@ class KVSender:
                 release()
             return
         n = keys.nbytes + values.nbytes
-        self._budget.take(n)
+        if not w.budget.take(n):  # its destination is this far behind: fail the transfer rather than wait
+            w.refuse(transfer_id, f"KV for {w.name} passed kv.sender_bytes ({self._max_bytes} bytes queued)")
+            if release is not None:
+                release()
+            return
         w.put(("kv", transfer_id, (layer, start, keys, values, scales, ready, release, n)))
 
     def close(self, transfer_id: str, error: str | None = None) -> None:
@@ -124,9 +128,11 @@ class _Writer:
     """One decode destination: a queue and the thread that writes its streams in order."""
 
     def __init__(self, sender: KVSender, name: str):
-        self.s = sender
+        self.s, self.name = sender, name
         self.q: queue.Queue = queue.Queue()
         self.streams: dict[str, _Stream] = {}
+        self.budget = _Budget(sender._max_bytes, sender.stats)
+        self.refused: set[str] = set()  # failed by the forward thread: their frames are dropped from then on
         self.thread = threading.Thread(target=self._run, name=f"disagg-kv-sender {name}", daemon=True)
         self.thread.start()
 
@@ -135,7 +141,15 @@ class _Writer:
 
     def failed(self, tid: str) -> bool:
         st = self.streams.get(tid)
-        return st is not None and st.failed is not None
+        return tid in self.refused or (st is not None and st.failed is not None)
+
+    def refuse(self, tid: str, msg: str) -> None:
+        """Fail a transfer from the forward thread; the writer sends its ERROR when it reaches it in the queue."""
+        log.warning("KV transfer %s: %s", tid, msg)
+        self.refused.add(tid)
+        self.s.stats.failed_transfers += 1
+        self.s.stats.failed.append(tid)
+        self.put(("fail", tid, msg))
 
     def _run(self) -> None:
         while True:
@@ -157,18 +171,23 @@ class _Writer:
         if op == "kv":
             layer, start, k, v, scales, ready, release, n = arg
             try:
-                if st is not None and st.failed is None:
+                if st is not None and st.failed is None and tid not in self.refused:
                     if ready is not None:
                         ready()
                     ks, vs = (1.0, 1.0) if scales is None else (float(scales[0]), float(scales[1]))
                     self._write(st, tid, _seal(st, wire.kv_frame_parts(layer, start, k, v, ks, vs)))
             finally:
-                self.s._budget.give(n)
+                self.budget.give(n)
                 if release is not None:
                     release()
-        elif op == "close" and st is not None:
+        elif op == "fail" and st is not None and st.failed is None:
             self.streams.pop(tid, None)
-            self._finish(st, tid, arg)
+            self._finish(st, tid, arg)  # ERROR frame (if the socket still takes one), then the socket closes
+        elif op == "close":
+            self.refused.discard(tid)
+            if st is not None:
+                self.streams.pop(tid, None)
+                self._finish(st, tid, arg)
 
     def _connect(self, hdr: wire.StreamHeader, host: str, port: int) -> _Stream:
         st, (connect_s, send_s) = _Stream(), self.s._timeouts
@@ -215,8 +234,9 @@ class _Writer:
         st.failed = msg
         if st.sock is not None:
             st.sock.close()  # the receiver sees the stream end and fails the transfer at once (decode prefills)
-        self.s.stats.failed_transfers += 1
-        self.s.stats.failed.append(tid)
+        if tid not in self.refused:  # else refuse() counted it
+            self.s.stats.failed_transfers += 1
+            self.s.stats.failed.append(tid)
 
 
 KVSender.writer_cls = _Writer

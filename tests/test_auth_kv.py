@@ -48,7 +48,7 @@ async def receive(send, n: int = 10, key: bytes | None = KEY, frame_mac: bool = 
 
 def with_sender(keys, values, key: bytes | None, frame_mac: bool = True, chunks=(0,)):
     def send(port):
-        s = KVSender(max_bytes=1 << 20, key=key, frame_mac=frame_mac)
+        s = KVSender(max_bytes=64 << 20, key=key, frame_mac=frame_mac)  # the whole transfer fits
         n = keys.shape[2]
         s.open(header("t1", n), "127.0.0.1", port)
         bounds = [*chunks, n]

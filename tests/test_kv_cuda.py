@@ -5,6 +5,9 @@ cache layouts. Skipped without an NVIDIA GPU; none of these has run on this proj
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -73,6 +76,44 @@ def test_extract_does_not_block_the_host():
     ex.extract_batch(cache, [Span(list(range(8)), 0, 100), Span(list(range(8, 16)), 3, 120)], (1.0, 1.0))
     assert not torch.cuda.current_stream().query(), "extract_batch waited for the forward pass"
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("stored", [torch.uint8, torch.float8_e4m3fn])
+def test_fp8_cache_extract_does_not_block_the_host(stored):
+    """An fp8 cache's scales reach the device without a blocking copy: extract_batch returns (for every layer of a
+    step) while the main stream is still busy."""
+    base = torch.randn(NB, H, BS, 2 * D, device="cuda").to(torch.float8_e4m3fn)
+    cache = base.view(torch.uint8) if stored is torch.uint8 else base
+    ex = extractor(stored, "float8_e4m3", fp8=True)
+    torch.cuda._sleep(CYCLES * 5)
+    for layer in range(4):  # each layer its own scales, the same spans
+        ex.extract_batch(cache, [Span(list(range(8)), 0, 100), Span([9, 10], 3, 20)], (0.5 + layer, 0.25))
+    assert not torch.cuda.current_stream().query(), "extract_batch waited for the forward pass (fp8 scales)"
+    torch.cuda.synchronize()
+
+
+def test_writer_waits_on_the_copys_device_without_spinning():
+    """The writer thread's wait runs with the extractor's device current (a fresh thread starts on device 0) and
+    sleeps: its CPU time over a long wait is a small part of the wall time (a spinning wait burns all of it)."""
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    with torch.cuda.device(dev):
+        cache = torch.randn(NB, H, BS, 2 * D, device=dev).to(torch.bfloat16)
+        ex = Extractor(layout_for("FLASH_ATTN", BS, H, D, "LBHNC"), "bfloat16", False, dev)
+        torch.cuda._sleep(CYCLES * 5)
+        part = ex.extract_batch(cache, [Span(list(range(4)), 0, 64)], (1.0, 1.0)).parts[0]
+    seen = {}
+
+    def writer():
+        wall, cpu = time.perf_counter(), time.thread_time()
+        part.ready()
+        seen["device"] = torch.cuda.current_device()
+        seen["cpu_share"] = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    assert seen["device"] == dev.index
+    assert seen["cpu_share"] < 0.5, f"the wait spun a core ({seen['cpu_share']:.0%} of its wall time on CPU)"
 
 
 @pytest.mark.parametrize("stored", [torch.uint8, torch.float8_e4m3fn])

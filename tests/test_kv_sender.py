@@ -64,7 +64,7 @@ def frames(sender: KVSender, tid: str, n: int, chunk: int, seed: int):
 
 
 def test_stalled_destination_fails_alone_within_the_byte_bound():
-    bound = 4 << 20  # 4 MiB of queued KV; the stalled transfer alone is 16 MiB
+    bound = 12 << 20  # queued KV per destination: the healthy transfer (8 MiB) fits, the stalled one (32 MiB) not
     sender = KVSender(max_bytes=bound, send_timeout_s=1.0)
     stalled = StalledReceiver()
 

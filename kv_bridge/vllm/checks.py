@@ -4,6 +4,7 @@ and layers this rank streams under tensor and pipeline parallelism.
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 
 # The vLLM releases the connector was tested with (cache-layout API, resumed_req_ids, 4-D per-layer views).
@@ -80,3 +81,19 @@ def rank_heads(total_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int] 
         raise ValueError(f"tensor parallel size {tp_size} is not a multiple of the {total_heads} KV heads")
     replicas = tp_size // total_heads
     return (tp_rank // replicas, 1) if tp_rank % replicas == 0 else None
+
+
+def main() -> int:
+    """`python -m kv_bridge.vllm.checks`: the version check the connector runs at engine start, run at image build
+    time (docker/prefill.Dockerfile), so an image with another vLLM fails to build instead of restart-looping."""
+    try:
+        check_vllm_version()
+    except RuntimeError as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return 1
+    print("disagg: %s %s is in the connector's tested range" % installed_vllm())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

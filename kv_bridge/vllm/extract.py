@@ -101,29 +101,36 @@ class Extractor:
     def __init__(self, layout: PagedLayout, wire_dtype: str, cache_is_fp8: bool, device: torch.device):
         self.layout, self.wire_dtype, self.cache_is_fp8 = layout, wire_dtype, cache_is_fp8
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # the writer sets this device by index (see _waiter)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pinned = PinnedPool() if self.cuda else None
+        self._uploads: dict[tuple, torch.Tensor] = {}  # this step's index and scale tensors, on the device
 
     def extract(self, kv_layer: torch.Tensor, block_ids: list[int], start: int, end: int,
                 scales: tuple[float, float]) -> HostKV:
         """One request's tokens [start, end): extract_batch with one span."""
         return self.extract_batch(kv_layer, [Span(block_ids, start, end)], scales).parts[0]
 
-    def extract_batch(self, kv_layer: torch.Tensor, spans: list[Span], scales: tuple[float, float]) -> HostBatch:
-        """Every span's (H, n, D) K and V of this layer: one index upload, one gather for K and one for V (straight
-        into packed order: span by span, head by head, token by token), one copy to a reused pinned buffer."""
-        idx, counts = self._indices(spans)
-        if self.cuda:
-            idx = idx.pin_memory().to(kv_layer.device, non_blocking=True)
-        k, v = self.layout.rows(kv_layer, idx[0], idx[1], idx[2])  # on the compute stream: read before any reuse
-        k, v, sc = self._to_wire(k, v, counts, scales)
+    def extract_batch(self, kv_layer: torch.Tensor, spans: list[Span], scales: tuple[float, float],
+                      layout: PagedLayout | None = None) -> HostBatch:
+        """Every span's (H, n, D) K and V of this layer (`layout`: the layer's own, default the extractor's): one
+        gather for K and one for V (straight into packed order: span by span, head by head, token by token) with
+        indices uploaded once per step, one copy to a reused pinned buffer."""
+        layout = layout or self.layout
+        idx, counts = self._indices(spans, layout)
+        k, v = layout.rows(kv_layer, idx[0], idx[1], idx[2])  # on the compute stream: read before any reuse
+        k, v, sc = self._to_wire(k, v, counts, scales, layout)
         pieces = (sc, k, v)
         nbytes = sum(t.numel() * t.element_size() for t in pieces)
         if not self.cuda:  # already host tensors: numpy views of them, no further copy
-            return HostBatch(_split(pieces, counts, self.layout, _noop), None, nbytes)
+            return HostBatch(_split(pieces, counts, layout, _noop), None, nbytes)
         host = self.pinned.take(nbytes)
+        # The compute stream, taken before entering the side stream's context: inside it current_stream() is the
+        # side stream itself, and waiting on that would let the copy overtake the gather.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(torch.cuda.current_stream())
             pos, views = 0, []
             for t in pieces:  # scales first: every piece stays aligned to its element size
                 n = t.numel() * t.element_size()
@@ -132,41 +139,73 @@ class Extractor:
                 t.record_stream(self.stream)  # freed only once this copy is done
                 views.append(dst)
                 pos += n
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the writer sleeps on it instead of spinning a core
             event.record(self.stream)
-        return HostBatch(_split(views, counts, self.layout, event.synchronize), lambda: self.pinned.give(host), nbytes)
+        return HostBatch(_split(views, counts, layout, _waiter(event, self.device)), lambda: self.pinned.give(host),
+                         nbytes)
 
-    def _indices(self, spans: list[Span]) -> tuple[torch.Tensor, list[int]]:
+    def _upload(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`make()` (a host tensor) on the device, built and copied once per step: from pinned memory, non-blocking
+        (a pageable copy would wait for the compute stream, i.e. sync the host with the forward pass)."""
+        t = self._uploads.get(key)
+        if t is None:
+            if len(self._uploads) >= 8:  # a new step's spans: the last step's tensors are not asked for again
+                self._uploads.clear()
+            t = self._uploads[key] = make().pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _indices(self, spans: list[Span], layout: PagedLayout) -> tuple[torch.Tensor, list[int]]:
         """(3, N) int64 (block, head, offset) of every span's tokens in packed order (span, head, token), and each
-        span's token count; vectorized over all spans (a Python loop per token or head costs more than the copy)."""
-        bs, h = self.layout.block_size, self.layout.num_kv_heads
-        picked = [self.layout.block_span(s.block_ids, s.start, s.end) for s in spans]  # refuses a bad span
-        n = np.array([s.end - s.start for s in spans], dtype=np.int64)
-        table = np.zeros((len(spans), max(len(b) for b, _ in picked)), dtype=np.int64)
-        for i, (b, _) in enumerate(picked):
-            table[i, :len(b)] = b
-        offs = np.array([off for _, off in picked], dtype=np.int64)
-        span = np.repeat(np.arange(len(spans)), h * n)
-        j = np.arange(len(span)) - np.repeat(h * (np.cumsum(n) - n), h * n)  # row within its span
-        heads, pos = j // n[span], j % n[span] + offs[span]
-        idx = np.stack([table[span, pos // bs], heads, pos % bs])
-        return torch.from_numpy(idx), n.tolist()
+        span's token count; on CUDA uploaded once per step and layout (the same spans serve every layer)."""
+        counts = [s.end - s.start for s in spans]
+        if not self.cuda:
+            return _index_table(spans, layout), counts
+        key = ("idx", layout, tuple((tuple(s.block_ids), s.start, s.end) for s in spans))
+        return self._upload(key, lambda: _index_table(spans, layout)), counts
 
-    def _to_wire(self, k: torch.Tensor, v: torch.Tensor, counts: list[int], scales: tuple[float, float]):
+    def _to_wire(self, k: torch.Tensor, v: torch.Tensor, counts: list[int], scales: tuple[float, float],
+                 layout: PagedLayout):
         """(K, V, scales (n_spans, 2) float32) in the wire dtype; never synchronizes with the host."""
         dev, n = k.device, len(counts)
         if self.cache_is_fp8:  # stored bytes and the layer's current scales travel as they are
-            return k.view(torch.uint8), v.view(torch.uint8), torch.tensor([scales] * n, dtype=torch.float32,
-                                                                          device=dev)
+            sc = torch.tensor([scales] * n, dtype=torch.float32)
+            return k.view(torch.uint8), v.view(torch.uint8), (self._upload(("sc", scales, n), lambda: sc)
+                                                              if self.cuda else sc)
         if self.wire_dtype != "float8_e4m3":
             return k, v, torch.ones(n, 2, dtype=torch.float32, device=dev)
         qk, qv, sc, lo = [], [], [], 0  # scaled per frame: one scale per span and K/V
         for c in counts:
-            rows = c * self.layout.num_kv_heads
+            rows = c * layout.num_kv_heads
             (a, ks), (b, vs) = _to_fp8(k[lo:lo + rows]), _to_fp8(v[lo:lo + rows])
             qk.append(a), qv.append(b), sc.append(torch.stack([ks, vs]))
             lo += rows
         return torch.cat(qk), torch.cat(qv), torch.stack(sc)
+
+
+def _waiter(event, device: torch.device) -> Callable[[], None]:
+    """The writer's wait for a copy: on the copy's own device (a new thread starts on device 0, where the wait
+    would create a CUDA context on another rank's GPU), sleeping (a blocking event) rather than spinning."""
+    def ready() -> None:
+        if torch.cuda.current_device() != device.index:
+            torch.cuda.set_device(device)
+        event.synchronize()
+    return ready
+
+
+def _index_table(spans: list[Span], layout: PagedLayout) -> torch.Tensor:
+    """Host (3, N) int64 indices of `spans`, vectorized over all spans (a Python loop per token or head costs more
+    than the copy)."""
+    bs, h = layout.block_size, layout.num_kv_heads
+    picked = [layout.block_span(s.block_ids, s.start, s.end) for s in spans]  # refuses a bad span
+    n = np.array([s.end - s.start for s in spans], dtype=np.int64)
+    table = np.zeros((len(spans), max(len(b) for b, _ in picked)), dtype=np.int64)
+    for i, (b, _) in enumerate(picked):
+        table[i, :len(b)] = b
+    offs = np.array([off for _, off in picked], dtype=np.int64)
+    span = np.repeat(np.arange(len(spans)), h * n)
+    j = np.arange(len(span)) - np.repeat(h * (np.cumsum(n) - n), h * n)  # row within its span
+    heads, pos = j // n[span], j % n[span] + offs[span]
+    return torch.from_numpy(np.stack([table[span, pos // bs], heads, pos % bs]))
 
 
 def _split(pieces, counts: list[int], layout: PagedLayout, ready: Callable[[], None]) -> list[HostKV]:

@@ -17,7 +17,7 @@ from kv_bridge.fingerprint import kv_spec
 from kv_bridge.sender import KVSender
 from kv_bridge.vllm.checks import check_cache_spec, rank_heads
 from kv_bridge.vllm.extract import Extractor, Span, wire_dtype_for
-from kv_bridge.vllm.layouts import layout_for
+from kv_bridge.vllm.layers import LayerLayout, describe, layer_layouts, runtime
 from kv_bridge.vllm.scheduler import DisaggConnectorMetadata, SendSpec
 
 log = logging.getLogger("vllm.disagg.connector")
@@ -45,6 +45,7 @@ class WorkerSide:
         self._extractor: Extractor | None = None
         self._layers: dict[str, object] = {}  # layer name -> vLLM attention layer (its current fp8 scales)
         self._layer_index: dict[str, int] = {}
+        self._layouts: dict[str, LayerLayout] = {}  # each layer's own backend and kernel blocks (default: extractor's)
         self._heads: tuple[int, int] | None = None  # None: a replica rank, another one sends these heads
         self._window: tuple[int, tuple[int, ...]] = (0, ())
         self._streams: dict[str, wire.StreamHeader] = {}  # open streams of this rank
@@ -54,44 +55,46 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg, mc = self._cfg, self._cfg.model_config
         check_vllm_hf_config(mc.model, mc.hf_config.to_dict())  # the engine must compute the KV mlx-lm would
-        first_name, first = next(iter(kv_caches.items()))
         ctx = cfg.compilation_config.static_forward_context
-        backend = ctx[first_name].attn_backend.get_name()
-        order = cfg.cache_config.get_resolved_kv_cache_layout().name
+        order, block = cfg.cache_config.get_resolved_kv_cache_layout().name, cfg.cache_config.block_size
         heads, head_dim = mc.get_num_kv_heads(cfg.parallel_config), mc.get_head_size()
-        layout = layout_for(backend, cfg.cache_config.block_size, heads, head_dim, order)
+        backends = {name: ctx[name].attn_backend.get_name() for name in kv_caches}  # each layer its own
+        layouts = layer_layouts(kv_caches, backends, order, block, heads, head_dim)
         windows, found = {}, {}
-        for name, t in kv_caches.items():
-            layout.check(tuple(t.shape))
+        for name in kv_caches:
             m = _LAYER_RE.search(name)
             if m is None:
                 raise ValueError(f"cannot tell the layer index of attention layer {name!r}")
             found[name] = (int(m.group(1)), ctx[name])
             spec = self._spec_of(name)
             if spec is not None:
-                check_cache_spec(name, spec, heads, head_dim, cfg.cache_config.block_size)
+                check_cache_spec(name, spec, heads, head_dim, block)
             # the layer's own window: with one KV cache group (hybrid manager off) the group's spec carries the
             # model's sliding window for full-attention layers too
             w = getattr(ctx[name], "sliding_window", None)
             if w:
                 windows[found[name][0]] = int(w)
         tp_size, tp_rank = self._tp or _tp_rank(cfg.parallel_config)
-        cache_dtype = str(cfg.cache_config.cache_dtype)
+        cache_dtype, first = str(cfg.cache_config.cache_dtype), next(iter(kv_caches.values()))
         wire_dtype = wire_dtype_for(first.dtype, cache_dtype, self._wire_option)
         spec = kv_spec(mc.model)
-        self.configure(Extractor(layout, wire_dtype, cache_dtype.startswith("fp8"), first.device), spec, found,
-                       rank_heads(spec["num_kv_heads"], tp_size, tp_rank), _uniform_window(windows))
-        log.info("disagg connector: %s/%s, block %d, cache %s -> wire %s, %d layers, heads %s of %d, window %s, "
-                 "KV auth %s", backend, order, layout.block_size, cache_dtype, wire_dtype, len(kv_caches),
-                 self._heads, self._spec["num_kv_heads"], self._window, "off" if self._kv_key is None else
-                 "per frame" if self._frame_mac else "header only")
+        extractor = Extractor(next(iter(layouts.values())).layout, wire_dtype, cache_dtype.startswith("fp8"),
+                              first.device)
+        self.configure(extractor, spec, found, rank_heads(spec["num_kv_heads"], tp_size, tp_rank),
+                       _uniform_window(windows), layouts)
+        log.info("disagg connector: %s; attention %s (%s); cache block %d, cache %s -> wire %s, %d layers, heads %s "
+                 "of %d, window %s, KV auth %s", runtime(), describe(layouts, self._layer_index), order, block,
+                 cache_dtype, wire_dtype, len(kv_caches), self._heads, self._spec["num_kv_heads"], self._window,
+                 "off" if self._kv_key is None else "per frame" if self._frame_mac else "header only")
 
     def configure(self, extractor: Extractor, spec: dict, layers: dict[str, tuple[int, object]],
-                  heads: tuple[int, int] | None, window: tuple[int, tuple[int, ...]] = (0, ())) -> None:
+                  heads: tuple[int, int] | None, window: tuple[int, tuple[int, ...]] = (0, ()),
+                  layouts: dict[str, LayerLayout] | None = None) -> None:
         """What register_kv_caches found (also how tests drive a rank without an engine): the extractor, the model's
         KV spec, this rank's layers (name -> (index, vLLM attention layer)), its heads (None: a replica that sends
-        nothing) and the sliding window."""
+        nothing), the sliding window and each layer's layout (default: the extractor's for all)."""
         self._extractor, self._spec, self._heads, self._window = extractor, spec, heads, window
+        self._layouts = layouts or {name: LayerLayout("", extractor.layout) for name in layers}
         self._layer_index = {name: i for name, (i, _) in layers.items()}
         self._layers = {name: layer for name, (_, layer) in layers.items()}
         self.sender = KVSender(self._sender_bytes, self._timeouts[0], self._kv_key, self._frame_mac,
@@ -119,7 +122,7 @@ class WorkerSide:
         layer = self._layer_index.get(layer_name)
         if not meta.sends or self._heads is None or layer is None:  # None: not a layer this rank registered
             return
-        spans, sends = [], []
+        spans, sends, ll = [], [], self._layouts[layer_name]
         for s in meta.sends:
             try:
                 hdr = self._stream(s)
@@ -127,15 +130,16 @@ class WorkerSide:
                     continue
                 a = max(s.start, hdr.layer_start(layer))  # a sliding layer sends only the window's tokens
                 if a < s.end:
-                    self._extractor.layout.block_span(s.block_ids, a, s.end)  # a bad span fails its request alone
-                    spans.append(Span(s.block_ids, a, s.end))
+                    blocks = ll.kernel_blocks(s.block_ids)
+                    ll.layout.block_span(blocks, a, s.end)  # a bad span fails its request alone
+                    spans.append(Span(blocks, a, s.end))
                     sends.append((s.transfer_id, a))
             except Exception as e:  # never the engine: this request's transfer fails, decode prefills locally
                 self._fail(s.transfer_id, f"cannot read layer {layer} of request {s.req_id}: {e}")
         if not spans:
             return
         try:
-            batch = self._extractor.extract_batch(kv_layer, spans, self._scales(layer_name))
+            batch = self._extractor.extract_batch(kv_layer, spans, self._scales(layer_name), ll.layout)
         except Exception as e:
             for tid, _ in sends:
                 self._fail(tid, f"cannot extract layer {layer}: {e}")
