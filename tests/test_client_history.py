@@ -111,3 +111,31 @@ async def test_without_max_tokens_a_long_analysis_still_answers(tmp_path, empty_
     finally:
         await client.close()
         await c.stop()
+
+
+async def test_parallel_calls_answer_null_content(tmp_path, empty_config):
+    """qwen3-coder writes a newline between and after parallel calls; OpenAI's answer to a call-only turn has
+    content null, and no stream delta carries that whitespace."""
+    openai = pytest.importorskip("openai")
+    folder = write_family_tokenizer(tmp_path / "qwen3_moe", "qwen3_moe")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    c = await Cluster(n_prefill=0, model_dir=folder).start()
+    c.decode.speak(folder, "".join(f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+                                   "</function>\n</tool_call>\n" for city in ("Paris", "Oslo")))
+    client = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused")
+    try:
+        r = await client.chat.completions.create(model=MODEL_ID, messages=FIRST, tools=TOOLS, max_tokens=200)
+        msg = r.choices[0].message
+        assert msg.content is None and [json.loads(t.function.arguments)["city"] for t in msg.tool_calls] == [
+            "Paris", "Oslo"]
+        stream = await client.chat.completions.create(model=MODEL_ID, messages=FIRST, tools=TOOLS, max_tokens=200,
+                                                      stream=True)
+        content, calls = "", 0
+        async for ev in stream:
+            for ch in ev.choices:
+                content += ch.delta.content or ""
+                calls += len(ch.delta.tool_calls or [])
+        assert (content, calls) == ("", 2)
+    finally:
+        await client.close()
+        await c.stop()
