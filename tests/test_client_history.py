@@ -139,3 +139,30 @@ async def test_parallel_calls_answer_null_content(tmp_path, empty_config):
     finally:
         await client.close()
         await c.stop()
+
+
+async def test_ollama_thinking_reaches_a_qwen3_template_as_reasoning_content(tmp_path, empty_config):
+    """Qwen3's published template reads `reasoning_content`: Ollama's `thinking` of a tool-call turn gets there."""
+    ollama = pytest.importorskip("ollama")
+    folder = write_family_tokenizer(tmp_path / "qwen3", "qwen3_moe", template="qwen3.jinja")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    c = await Cluster(n_prefill=0, model_dir=folder).start()
+    c.decode.speak(folder, "Fine.")
+    try:
+        call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        turn = [*FIRST, {"role": "assistant", "content": "", "thinking": ANALYSIS, "tool_calls": [call]},
+                {"role": "tool", "tool_name": "get_weather", "content": RESULT}]
+        # Raw JSON: the ollama package re-serializes tools (extra null fields), which the reference would not see.
+        status, _, body = await c.post("/api/chat", {"model": MODEL_ID, "messages": turn, "tools": TOOLS,
+                                                     "stream": False, "options": {"num_predict": 8}})
+        assert status == 200 and ollama.ChatResponse.model_validate(body).done, body
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        ref = [*FIRST, {"role": "assistant", "content": "", "reasoning_content": ANALYSIS, "tool_calls": [call]},
+               {"role": "tool", "content": RESULT}]
+        assert sent_ids(c) == hf.apply_chat_template(ref, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        assert f"<think>\n{ANALYSIS}\n</think>" in hf.decode(sent_ids(c))
+    finally:
+        await c.stop()

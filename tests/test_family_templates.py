@@ -102,3 +102,14 @@ def test_tiny_gpt_oss_speaks_harmony(tmp_path):
     prompt = tok.apply_chat_template(CHAT[1:2], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|start|>assistant")
     assert tok.convert_tokens_to_ids("<|return|>") in tok.eos_token_ids
+
+
+def test_qwen3_tool_loop_keeps_reasoning_after_the_last_query(root):
+    """As the published Qwen3 templates: an assistant turn after the last user query carries its
+    `reasoning_content` in a <think> block (a tool loop); one before it drops it."""
+    loop = [CHAT[1], {**CHAT[2], "thinking": None, "reasoning_content": "Use the tool."}, CHAT[3]]
+    text = render(root, "qwen3_moe", "qwen3.jinja", loop, tools=TOOLS, add_generation_prompt=True)
+    assert "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n<tool_call>\n" in text
+    later = [*loop, {"role": "assistant", "content": "4 C."}, {"role": "user", "content": "Thanks"}]
+    assert "Use the tool." not in render(root, "qwen3_moe", "qwen3.jinja", later, tools=TOOLS,
+                                         add_generation_prompt=True)
