@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 
-from gateway import auth
+from gateway import auth, tokenization
 from gateway.api import boundary
 from gateway.api.ollama import routes as ollama
 from gateway.auth import APIKeys
@@ -124,6 +124,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", ollama.root)  # Ollama's liveness probe; add_get answers HEAD too
+    tokenization.add_routes(app)  # vLLM's /tokenize and /detokenize live at the root, as in vLLM
     app.add_subapp("/v1", _openai_app(state, keys))
     app.add_subapp("/api", ollama.api_app(state, keys))
     return app

@@ -14,7 +14,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "required": ["city"], "properties": {
         "city": {"type": "string", "description": "City name"}, "unit": {"enum": ["c", "f"]}}}}}]
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+        {"role": "assistant", "content": "", "thinking": "Use the tool.",
          "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
         {"role": "tool", "content": "{\"temp\": 4}"}]
 
@@ -48,15 +48,29 @@ def test_harmony_tools_calls_and_results(root):
     assert ("<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|>"
             "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
             "<|message|>{\"city\": \"Oslo\"}<|call|>"
-            "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{\"temp\": 4}<|end|>"
+            "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>\"{\\\"temp\\\": 4}\"<|end|>"
             "<|start|>assistant") in text
 
 
 def test_harmony_earlier_final_turns_drop_their_analysis(root):
-    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "think"},
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "thinking": "think"},
             {"role": "user", "content": "c"}]
     text = render(root, "gpt_oss", "gpt_oss.jinja", chat, add_generation_prompt=True)
     assert "think" not in text and "<|start|>assistant<|channel|>final<|message|>b<|end|>" in text
+
+
+def test_harmony_reads_the_analysis_where_the_published_template_does(root):
+    """As openai/gpt-oss-120b's chat template: the analysis is `thinking` (`reasoning_content` is not read; the
+    gateway maps it), a tool-call turn keeps it until a later final answer, and without thinking the tool-call
+    turn's content is its analysis."""
+    analysis = "<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|>"
+    assert analysis in render(root, "gpt_oss", "gpt_oss.jinja", CHAT, add_generation_prompt=True)
+    as_vllm = [*CHAT[:2], {**CHAT[2], "thinking": None, "reasoning_content": "Use the tool."}, CHAT[3]]
+    assert analysis not in render(root, "gpt_oss", "gpt_oss.jinja", as_vllm, add_generation_prompt=True)
+    in_content = [*CHAT[:2], {**CHAT[2], "thinking": None, "content": "Use the tool."}, CHAT[3]]
+    assert analysis in render(root, "gpt_oss", "gpt_oss.jinja", in_content, add_generation_prompt=True)
+    answered = [*CHAT, {"role": "assistant", "content": "4 C."}, {"role": "user", "content": "Thanks"}]
+    assert "Use the tool." not in render(root, "gpt_oss", "gpt_oss.jinja", answered, add_generation_prompt=True)
 
 
 def test_qwen3_coder_tools_calls_and_responses(root):
@@ -88,3 +102,14 @@ def test_tiny_gpt_oss_speaks_harmony(tmp_path):
     prompt = tok.apply_chat_template(CHAT[1:2], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|start|>assistant")
     assert tok.convert_tokens_to_ids("<|return|>") in tok.eos_token_ids
+
+
+def test_qwen3_tool_loop_keeps_reasoning_after_the_last_query(root):
+    """As the published Qwen3 templates: an assistant turn after the last user query carries its
+    `reasoning_content` in a <think> block (a tool loop); one before it drops it."""
+    loop = [CHAT[1], {**CHAT[2], "thinking": None, "reasoning_content": "Use the tool."}, CHAT[3]]
+    text = render(root, "qwen3_moe", "qwen3.jinja", loop, tools=TOOLS, add_generation_prompt=True)
+    assert "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\n<tool_call>\n" in text
+    later = [*loop, {"role": "assistant", "content": "4 C."}, {"role": "user", "content": "Thanks"}]
+    assert "Use the tool." not in render(root, "qwen3_moe", "qwen3.jinja", later, tools=TOOLS,
+                                         add_generation_prompt=True)

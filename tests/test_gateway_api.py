@@ -161,7 +161,9 @@ async def test_sampling_fields_forwarded(cluster):
 async def test_default_sampling(cluster):
     await cluster.chat(chat_body("hi"))
     gen = cluster.decode.requests[-1]
-    assert (gen["max_tokens"], gen["temperature"], gen["top_p"]) == (256, 1.0, 1.0)
+    # No max_tokens: the room left in the context, as vLLM gives (max_model_len 4096 in the fake settings).
+    room = cluster.settings.models[0].max_model_len - len(gen["token_ids"])
+    assert (gen["max_tokens"], gen["temperature"], gen["top_p"]) == (room, 1.0, 1.0)
 
 async def test_least_loaded_decode_and_failover(empty_config):
     c = await Cluster(n_decode=2, n_prefill=0, interval=60.0).start()

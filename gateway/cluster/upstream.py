@@ -30,20 +30,54 @@ UPSTREAM = Path.UPSTREAM  # the path, and what x-disagg-decode-node says
 
 @dataclass(frozen=True)
 class UpstreamInput:
-    """The request in a form another model can take: chat messages, or a raw text prompt."""
+    """The request in a form another model can take: chat messages, or a raw text prompt. `reasoning`: the
+    reasoning parser the gateway runs on the answer (gateway.text.reasoning), so the upstream's reasoning is written in
+    the markup that parser reads."""
 
     messages: list[dict] | None = None
     prompt: str | None = None
-
+    reasoning: str | None = None
 
     @classmethod
-    def chat(cls, messages: list[dict]) -> "UpstreamInput":
+    def chat(cls, messages: list[dict], reasoning: str | None = None) -> "UpstreamInput":
         """Chat messages, None-valued fields dropped."""
-        return cls(messages=[{k: v for k, v in m.items() if v is not None} for m in messages])
+        return cls(messages=[{k: v for k, v in m.items() if v is not None} for m in messages], reasoning=reasoning)
 
     @classmethod
-    def text(cls, prompt: str) -> "UpstreamInput":
-        return cls(prompt=prompt)
+    def text(cls, prompt: str, reasoning: str | None = None) -> "UpstreamInput":
+        return cls(prompt=prompt, reasoning=reasoning)
+
+
+# (open reasoning, reasoning -> answer, open answer without reasoning) per reasoning parser. An upstream returns
+# reasoning apart from the answer (litellm's `reasoning_content`); the gateway's parsers read text, so it is
+# written back in the model's own markup, and every path is split by the same parser.
+_MARKUP = {
+    "harmony": ("<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>",
+                "<|channel|>final<|message|>"),
+    "think": ("<think>", "</think>", ""),
+}
+
+
+class _Markup:
+    """Joins an upstream's reasoning and answer pieces into the text the route's reasoning parser reads; without a
+    parser reasoning is dropped (the model's answer has no place for it)."""
+
+    def __init__(self, parser: str | None) -> None:
+        self.tags = _MARKUP.get(parser or "")
+        self.state = ""  # "" | "reasoning" | "content"
+
+    def __call__(self, reasoning: str, content: str) -> str:
+        out = ""
+        if reasoning and self.tags and self.state != "content":  # reasoning after the answer began is dropped
+            out += self.tags[0] if self.state == "" else ""
+            out += reasoning
+            self.state = "reasoning"
+        if content:
+            if self.tags and self.state != "content":
+                out += self.tags[1] if self.state == "reasoning" else self.tags[2]
+            out += content
+            self.state = "content"
+        return out
 
 
 @dataclass(frozen=True)
@@ -168,11 +202,12 @@ class UpstreamGeneration:
 
     async def tokens(self) -> AsyncIterator[TokenLine]:
         finish, usage, n = None, None, 0
+        markup = _Markup(self.input.reasoning)
         try:
             async for chunk in self._stream:
                 usage = getattr(chunk, "usage", None) or usage
                 for choice in getattr(chunk, "choices", None) or []:
-                    text = _choice_text(choice)
+                    text = markup(*_choice_text(choice))
                     finish = getattr(choice, "finish_reason", None) or finish
                     if text:
                         n += 1
@@ -202,11 +237,13 @@ class UpstreamGeneration:
             await _close_stream(stream)
 
 
-def _choice_text(choice: Any) -> str:
+def _choice_text(choice: Any) -> tuple[str, str]:
+    """(reasoning, answer text) of one chunk's choice; litellm puts every provider's reasoning (vLLM's `reasoning`,
+    Ollama's `thinking`) in `reasoning_content`."""
     delta = getattr(choice, "delta", None)
     if delta is not None:  # chat chunk
-        return getattr(delta, "content", None) or ""
-    return getattr(choice, "text", None) or ""  # text-completion chunk
+        return getattr(delta, "reasoning_content", None) or "", getattr(delta, "content", None) or ""
+    return "", getattr(choice, "text", None) or ""  # text-completion chunk
 
 
 async def _close_stream(stream: Any) -> None:

@@ -22,6 +22,7 @@ from kv_bridge.protocol import Sampling, json_grammar
 
 from gateway.api.openai.chat import GatewayState
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from gateway.history import template_messages
 from gateway.text.output import OutputParser, tool_parser_name
 from gateway.text.reasoning import parser_name, template_kwargs
 from gateway.cluster.upstream import UpstreamInput
@@ -185,21 +186,23 @@ def _refuse_unsupported(body: _Body, name: str, images: bool) -> None:
         raise InvalidRequest(f'"{name}" does not support images')
 
 
-def _output(body: _Body, route: ModelRoute, st: GatewayState, tools: list | None = None) -> tuple[Any, dict]:
-    """(the request's OutputParser or None, template kwargs for `think`); `think` on a model that does not
-    reason is Ollama's 400."""
+def _output(body: _Body, route: ModelRoute, st: GatewayState,
+            tools: list | None = None) -> tuple[Any, dict, str | None]:
+    """(the request's OutputParser or None, template kwargs for `think`, the reasoning parser's name); `think` on
+    a model that does not reason is Ollama's 400."""
     model_type = st.tokenizers[route.id].model_type
     name = parser_name(route.reasoning_parser, model_type)
     if name is None and body.think:
         raise InvalidRequest(f'"{body.model}" does not support thinking')
     tool_name = tool_parser_name(route.tool_parser, model_type) if tools else None
+    think = "high" if body.think == "max" else body.think  # Ollama's clients send "max" for the highest effort
     try:
-        kwargs = template_kwargs(name, None, body.think) if name else {}
+        kwargs = template_kwargs(name, None, think) if name else {}
     except ValueError as e:
         raise InvalidRequest(f"invalid think value: {e}") from None
     if name is None and tool_name is None:
-        return None, kwargs
-    return OutputParser(name, tool_name, tools), kwargs
+        return None, kwargs, name
+    return OutputParser(name, tool_name, tools), kwargs, name
 
 
 def _grammar(fmt: str | dict | None) -> dict | None:
@@ -280,10 +283,10 @@ async def parse_generate(request: web.Request, st: GatewayState, vocab_sizes: di
         msgs = [{"role": "system", "content": body.system}] if body.system else []
         msgs.append({"role": "user", "content": body.prompt or ""})
         history = _check_context(body.context or [], vocab_sizes.get(route.id))
-        job.output, kwargs = _output(body, route, st)
+        job.output, kwargs, reasoning = _output(body, route, st)
         job.prompt = history + await _encode(tok.encode_chat, msgs, None, kwargs)
         if not history:  # `context` is our token ids, which an upstream model cannot read
-            job.upstream = UpstreamInput.chat(msgs)
+            job.upstream = UpstreamInput.chat(msgs, reasoning)
     job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
                                        grammar=_grammar(body.format))
     return job
@@ -309,18 +312,28 @@ async def parse_chat(request: web.Request, st: GatewayState) -> Job:
         job.load_reason = "unload" if _is_unload(body.keep_alive) else "load"
         return job
     msgs = [_message(m) for m in body.messages]
-    job.output, kwargs = _output(body, route, st, body.tools)
-    job.prompt = await _encode(tok.encode_chat, msgs, body.tools or None, kwargs)
-    job.upstream = UpstreamInput.chat(msgs)
+    job.output, kwargs, reasoning = _output(body, route, st, body.tools)
+    job.prompt = await _encode(tok.encode_chat, template_messages(msgs), body.tools or None, kwargs)
+    job.upstream = UpstreamInput.chat([_upstream_message(m) for m in msgs], reasoning)
     job.sampling = dataclasses.replace(build_sampling(body.options, len(job.prompt), route),
                                        grammar=_grammar(body.format))
     return job
 
 
+_HISTORY_FIELDS = ("thinking", "tool_calls", "tool_name")  # Ollama's message fields a template reads
+
+
 def _message(m: ChatMessage) -> dict:
-    """A chat message for the template; an assistant's tool_calls go along (their arguments are objects)."""
-    calls = (m.model_extra or {}).get("tool_calls")
-    return {"role": m.role, "content": m.content or "", **({"tool_calls": calls} if calls else {})}
+    """A chat message as Ollama takes it: an assistant's thinking and tool_calls (their arguments are objects) and
+    a tool result's tool_name go along; gateway.history maps them to what templates read."""
+    extra = m.model_extra or {}
+    return {"role": m.role, "content": m.content or "",
+            **{k: extra[k] for k in _HISTORY_FIELDS if extra.get(k) is not None}}
+
+
+def _upstream_message(m: dict) -> dict:
+    """An upstream takes OpenAI's message shape: Ollama's thinking and tool_name are ours to render, not its."""
+    return {k: v for k, v in m.items() if k not in ("thinking", "tool_name")}
 
 
 def chunk(job: Job, text: str, last: bool = False) -> dict:
@@ -332,7 +345,7 @@ def chunk(job: Job, text: str, last: bool = False) -> dict:
         if last:
             rest = job.output.finish()
             d = type(d)(d.reasoning + rest.reasoning, d.content + rest.content, d.calls + rest.calls)
-        text, thinking, calls = d.content, d.reasoning, [c.ollama() for c in d.calls]
+        text, thinking, calls = d.content, d.reasoning, _calls(job.output, d.calls)
     extra = {**({"thinking": thinking} if thinking else {}), **({"tool_calls": calls} if calls else {})}
     out: dict[str, Any] = {"model": job.name, "created_at": now_rfc3339()}
     if job.kind == "chat":
@@ -342,6 +355,17 @@ def chunk(job: Job, text: str, last: bool = False) -> dict:
         if thinking:
             out["thinking"] = thinking
     out["done"] = False
+    return out
+
+
+def _calls(output: OutputParser, calls: list) -> list[dict]:
+    """Ollama's tool calls: each with its id and, in `function`, its index among the answer's calls (clients
+    match parallel calls' results by them)."""
+    first = output.calls - len(calls)  # the parser has counted these already
+    out = []
+    for i, c in enumerate(calls):
+        call = c.ollama()
+        out.append({"id": c.id, **call, "function": {"index": first + i, **call["function"]}})
     return out
 
 

@@ -24,6 +24,7 @@ from gateway.auth import APIKeys
 from gateway.errors import APIError, InvalidRequest, NoHealthyNode
 from gateway.metrics import RequestRecord
 from gateway.api.ollama.protocol import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
+from gateway.text.reasoning import parser_name
 from gateway.api.relay import Framing, ndjson
 from gateway.api.serving import STATE, GatewayState, endpoint, run
 from gateway.cluster.upstream import Prompt
@@ -193,8 +194,20 @@ async def show(request: web.Request) -> web.Response:
                  f'TEMPLATE """{card.template}"""\n' + "".join(f"PARAMETER {k} {v}\n" for k, v in params.items()))
     return web.json_response({
         "modelfile": modelfile, "parameters": parameters, "template": card.template, "details": card.details,
-        "model_info": card.model_info, "capabilities": ["completion"], "modified_at": card.modified_at,
+        "model_info": card.model_info, "capabilities": capabilities(st, route), "modified_at": card.modified_at,
     })
+
+
+def capabilities(st: GatewayState, route: ModelRoute) -> list[str]:
+    """What Ollama's clients check before they offer a feature (VS Code offers tools only when listed): tools when
+    the chat template renders them, thinking when the model's family (or config) has a reasoning parser."""
+    tok = st.tokenizers[route.id]
+    out = ["completion"]
+    if tok.supports_tools:
+        out.append("tools")
+    if parser_name(route.reasoning_parser, tok.model_type) is not None:
+        out.append("thinking")
+    return out
 
 
 # ---- generation: POST /api/generate and /api/chat ----

@@ -31,10 +31,10 @@ async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> w
     # Tokenizing a long prompt takes milliseconds; keep it off the event loop (tokenizers releases the GIL).
     loop = asyncio.get_running_loop()
     reasoning = parser_name(route.reasoning_parser, tok.model_type)
-    kwargs = {**template_kwargs(reasoning or "", req.reasoning_effort), **(req.chat_template_kwargs or {})}
+    kwargs = {**template_kwargs(reasoning or "", *req.effort()), **(req.chat_template_kwargs or {})}
     prompt = await loop.run_in_executor(None, tok.encode_chat, req.messages_as_dicts(), req.tools or None, kwargs)
     # An upstream gets the messages; tools it would not see, so such requests stay in the cluster.
-    inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
+    inp = None if req.tools else UpstreamInput.chat(req.client_messages(), reasoning)
     max_tokens = resolve_max_tokens(req, len(prompt), route.max_model_len)
     tools = tool_parser_name(route.tool_parser, tok.model_type) if req.tools and req.tool_choice != "none" else None
     grammar = req.grammar()

@@ -14,10 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kv_bridge.protocol import json_grammar
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.history import template_messages
 from gateway.text.toolcalls.forced import allowed_tools
 
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's own default
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's own default (vLLM's too)
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 4
@@ -142,7 +142,7 @@ class ChatRequest(GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: extra variables for the chat template
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def check(self, vocab_size: int, supports_tools: bool = False) -> None:
         super().check(vocab_size)
@@ -172,25 +172,20 @@ class ChatRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def messages_as_dicts(self) -> list[dict]:
-        """The messages for the chat template; assistant tool_calls' arguments as objects (templates iterate them,
-        as vLLM passes them)."""
-        return [_arguments_as_objects(m.model_dump(exclude_none=False)) for m in self.messages]
+        """The messages for the chat template (gateway.history: reasoning under every name templates read, tool
+        call arguments as objects)."""
+        return template_messages([m.model_dump(exclude_none=False) for m in self.messages])
 
+    def client_messages(self) -> list[dict]:
+        """The messages as the client sent them, for an upstream server (which takes OpenAI's own shape)."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
 
-def _arguments_as_objects(msg: dict) -> dict:
-    calls = msg.get("tool_calls")
-    if not isinstance(calls, list):
-        return msg
-    out = []
-    for call in calls:
-        fn = (call or {}).get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            try:
-                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-            except ValueError:
-                raise InvalidRequest("tool_calls arguments must be a JSON object text", param="messages") from None
-        out.append(call)
-    return {**msg, "tool_calls": out}
+    def effort(self) -> tuple[str | None, bool | None]:
+        """(reasoning effort, thinking switch) for gateway.text.reasoning.template_kwargs. vLLM's "none" switches
+        thinking off (harmony cannot: low); "minimal" is the least effort a template knows, low."""
+        if self.reasoning_effort == "none":
+            return None, False
+        return ("low" if self.reasoning_effort == "minimal" else self.reasoning_effort), None
 
 
 class CompletionRequest(GenerationRequest):
@@ -228,13 +223,13 @@ _MODELS = (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, Res
 _FIELD_NAMES = {name for m in _MODELS for name in m.model_fields}
 
 
-def _param(loc: tuple) -> str | None:
+def _param(loc: tuple, names: set[str] = _FIELD_NAMES) -> str | None:
     """Pydantic loc -> OpenAI param: ('messages', 0, 'content', 'str') -> 'messages[0].content'."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _FIELD_NAMES:
+        elif part in names:
             out += f".{part}" if out else part
         else:  # a union member tag such as 'str' or 'list[TextPart]': the field above it is the param
             break
@@ -250,35 +245,37 @@ def parse_json(raw: bytes) -> Any:
         raise InvalidRequest("request body is not valid JSON: nested too deeply") from None
 
 
-def _parse(model: type[GenerationRequest], body: Any) -> Any:
+def parse_model(model: type[BaseModel], body: Any) -> Any:
+    """A JSON body as `model`; the first validation error is a 400 naming its param."""
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = _param(tuple(err["loc"]))
+        param = _param(tuple(err["loc"]), _FIELD_NAMES | set(model.model_fields))
         raise InvalidRequest(f"{param or 'body'}: {err['msg']}", param=param) from None
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
-    return _parse(ChatRequest, body)
+    return parse_model(ChatRequest, body)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    return _parse(CompletionRequest, body)
+    return parse_model(CompletionRequest, body)
 
 
 def resolve_max_tokens(req: GenerationRequest, prompt_tokens: int, max_model_len: int, *,
-                       default: int = DEFAULT_MAX_TOKENS, param: str = "messages") -> int:
-    """The generation budget; a request that cannot fit the model's context is refused before any work."""
+                       default: int | None = None, param: str = "messages") -> int:
+    """The generation budget; a request that cannot fit the model's context is refused before any work. Without
+    max_tokens a chat request may fill the context, as vLLM allows: SDKs and curl omit it, and a reasoning model
+    needs the room. `default`: the legacy completions API's own default instead, shrunk to what fits."""
     requested = req.max_completion_tokens or req.max_tokens
     if requested is None:
-        # Without an explicit budget, shrink the default to what fits rather than refuse.
         room = max_model_len - prompt_tokens
         if room >= 1:
-            return min(default, room)
-        requested = default
+            return room if default is None else min(default, room)
+        requested = default or 1
     if prompt_tokens + requested > max_model_len:
         where = "the messages" if param == "messages" else "the prompt"
         raise ContextLengthExceeded(

@@ -164,7 +164,7 @@ class ChatRenderer(_Renderer):
     def _parts(p: Parts, first_call: int = 0) -> dict:
         """Parsed parts as message fields: reasoning under both names clients read (vLLM's old and new)."""
         out: dict = {"reasoning_content": p.reasoning, "reasoning": p.reasoning} if p.reasoning else {}
-        if p.content:
+        if p.content and (p.content.strip() or not first_call):  # whitespace after a call is no content
             out["content"] = p.content
         if p.calls:
             out["tool_calls"] = [c.openai(first_call + i) for i, c in enumerate(p.calls)]
@@ -199,7 +199,9 @@ class ChatRenderer(_Renderer):
         if not self.splits:
             return {"role": "assistant", "content": r.text}, r.finish_reason
         p = OutputParser(self.reasoning, self.tools, self.tool_list).whole(r.text, r.finish_reason == "stop")
-        msg: dict = {"role": "assistant", "content": p.content or (None if p.calls else "")}
+        # Whitespace between parallel calls is no content: null, as OpenAI and vLLM answer a call-only turn.
+        content = p.content if p.content.strip() or not p.calls else ""
+        msg: dict = {"role": "assistant", "content": content or (None if p.calls else "")}
         if self.reasoning is not None:
             msg["reasoning_content"] = msg["reasoning"] = p.reasoning or None
         if p.calls:
