@@ -167,6 +167,27 @@ def template_kwargs(parser: str, reasoning_effort: str | None = None, think: boo
     return {}
 
 
+# Where a final answer begins: structured output constrains only what follows (vLLM's harmony structural tag takes
+# the same headers: plain, `json` and `<|constrain|>json`).
+HARMONY_FINAL = ("<|channel|>final<|message|>", "<|channel|>final json<|message|>",
+                 "<|channel|>final <|constrain|>json<|message|>")
+
+
+def gate_grammar(grammar: dict | None, parser: str | None, prompt_tail: str) -> dict | None:
+    """A JSON grammar that starts after the model's reasoning, as vLLM and Ollama constrain thinking models: harmony
+    after its final-channel header, `<think>` models after `</think>` (when the output opens a block, or the prompt
+    did). `prompt_tail`: the prompt's last text; a prompt that already ended the reasoning is constrained at once.
+    Forced tool-call grammars (lark) already admit the reasoning and are left as they are."""
+    if not grammar or grammar.get("type") == "lark" or parser not in ("harmony", "think"):
+        return grammar
+    tail = prompt_tail.rstrip()
+    if parser == "harmony":
+        return grammar if tail.endswith(HARMONY_FINAL) else {**grammar, "after": list(HARMONY_FINAL)}
+    if tail.endswith("</think>"):
+        return grammar
+    return {**grammar, "after": ["</think>"], **({} if tail.endswith("<think>") else {"open": "<think>"})}
+
+
 REASONING_PARSERS = {"harmony": HarmonyParser, "think": ThinkParser}
 # A model family's default (config.toml `reasoning_parser` overrides it; "none": no split). qwen3_moe has none:
 # qwen3-coder does not think, and a Qwen3 MoE that does names "think" in its config.
