@@ -42,7 +42,8 @@ def matcher(tmp_path_factory):
 @pytest.mark.parametrize(("values", "args"), [
     ({"text": "buy milk", "unit": "c", "extra": "anything at all", "days": "3"},
      {"text": "buy milk", "unit": "c", "extra": "anything at all", "days": 3}),
-    ({"text": "null", "unit": "f", "extra": "x", "days": "null"}, {"text": None, "unit": "f", "extra": "x", "days": None}),
+    ({"text": "null", "unit": "f", "extra": "x", "days": "null"},
+     {"text": None, "unit": "f", "extra": "x", "days": None}),
 ])
 def test_the_template_form_is_admitted_and_reads_back_unquoted(matcher, values, args):
     text = _call(**values)
