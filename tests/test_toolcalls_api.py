@@ -65,6 +65,8 @@ async def test_openai_client_reads_tool_calls(family):
     (call,) = done.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
     assert deltas[0].function.name == "get_weather" and deltas[0].id and all(d.index == 0 for d in deltas)
+    # The call streams (issue 22, item 6): the name first, then its arguments over several chunks.
+    assert len(deltas) > 2 and all(d.function.name is None and d.id is None for d in deltas[1:])
     assert (done.message.content or "") == text and done.finish_reason == "tool_calls"
 
     # The next turn: the assistant's call and the tool's result render through the template.
