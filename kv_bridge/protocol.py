@@ -62,7 +62,9 @@ class Sampling:
     repetition_penalty: float = 1.0  # 1: off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> additive bias
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs at all
-    # Constrained decoding: None, {"type": "json_object"} or {"type": "json_schema", "schema": {...}, "strict": b}.
+    # Constrained decoding: None, {"type": "json_object"} or {"type": "json_schema", "schema": {...}, "strict": b}
+    # or {"type": "lark", "grammar": text}; "after": [texts] starts it only after the reasoning ends with one of them,
+    # "open": the token that must open that reasoning (else it is constrained from the start).
     grammar: dict | None = None
     grammar_generated: int = 0  # the prompt's last N tokens were generated under `grammar` (a resumed generation)
 
@@ -112,7 +114,8 @@ class Sampling:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, f"logprobs in [0, {MAX_TOP_LOGPROBS}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop is a list of non-empty strings"),
             (grammar_ok(self.grammar), 'grammar is {"type": "json_object"}, {"type": "json_schema", "schema": {}} or '
-                                       '{"type": "lark", "grammar": "..."}'),
+                                       '{"type": "lark", "grammar": "..."}, optionally with "after": ["..."] and '
+                                       '"open": "..."'),
             (self.grammar_generated >= 0, "grammar_generated >= 0"),
         ]
         broken = [what for ok, what in rules if not ok]
@@ -137,8 +140,10 @@ def grammar_ok(grammar) -> bool:
         return True
     if not isinstance(grammar, dict):
         return False
-    kind = grammar.get("type")
-    return (kind == "json_object" or (kind == "json_schema" and isinstance(grammar.get("schema"), dict))
+    kind, after, opener = grammar.get("type"), grammar.get("after", []), grammar.get("open")
+    gate_ok = (isinstance(after, list) and all(isinstance(a, str) and a for a in after)
+               and (opener is None or (isinstance(opener, str) and opener and after)))
+    return gate_ok and (kind == "json_object" or (kind == "json_schema" and isinstance(grammar.get("schema"), dict))
             or (kind == "lark" and isinstance(grammar.get("grammar"), str) and bool(grammar["grammar"])))
 
 

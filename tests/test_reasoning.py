@@ -28,8 +28,18 @@ def _both_paths(family, root, text, parser_factory):
     ids, chunks = token_stream(family, root, text)
     got = run(parser_factory(), chunks)
     for size in (1, 2, 5, 17, len(text)):
-        assert run(parser_factory(), char_chunks(text, size)) == got
+        again = run(parser_factory(), char_chunks(text, size))
+        # A call's body streams in pieces as its chunks came; the pieces join to the same text.
+        assert (again.reasoning, again.content, again.messages) == (got.reasoning, got.content, got.messages)
+        assert _joined(again.pieces) == _joined(got.pieces)
     return ids, got
+
+
+def _joined(pieces):
+    out: dict = {}
+    for n, recipient, text in pieces:
+        out[(n, recipient)] = out.get((n, recipient), "") + text
+    return out
 
 
 def test_harmony_special_tokens_are_single_ids_and_in_the_streamed_text(root):
@@ -74,7 +84,7 @@ def test_harmony_cut_off_and_plain_text(root):
     d = run(HarmonyParser(), ["<|channel|>final<|message|>Par"])  # max_tokens hit mid-answer
     assert (d.reasoning, d.content) == ("", "Par")
     d = run(HarmonyParser(), ["<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": "])
-    assert d.content == '{"a": ' and d.messages == []
+    assert d.content == "" and [m.body for m in d.messages] == ['{"a": ']  # a call cut off still ends
     assert run(HarmonyParser(), ["just text"]).content == "just text"
 
 

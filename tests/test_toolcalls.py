@@ -71,11 +71,9 @@ MALFORMED = {
                "<tool_call>{\"arguments\": {}}</tool_call>",
                "<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>",
                "<tool_call>{\"name\": \"f\""],
-    "qwen3_coder": ["<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",
-                    "<tool_call>no function here</tool_call>", "<tool_call>\n<function=f>\n<parameter=a>\n1"],
-    "harmony": ["<|channel|>commentary to=functions.f <|constrain|>json<|message|>{not json<|call|>",
-                "<|channel|>commentary to=functions. <|constrain|>json<|message|>{}<|call|>",
-                "<|channel|>commentary to=functions.f <|constrain|>json<|message|>[1]<|call|>"],
+    # A dropped </parameter> or a cut-off value is recovered (tests/test_toolcalls_qwen3_vllm.py); harmony never
+    # gives markup back as text (tests/test_harmony_markup.py).
+    "qwen3_coder": ["<tool_call>no function here</tool_call>", "<tool_call>\n<function=f oops</tool_call>"],
 }
 
 

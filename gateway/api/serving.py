@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -20,6 +20,7 @@ from gateway.errors import APIError, ClientDisconnected, InvalidRequest, ModelNo
 from gateway.metrics import Metrics, RequestRecord
 from gateway.cluster.nodes import NodePool
 from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
+from gateway.text.reasoning import gate_grammar, parser_name
 from gateway.api.relay import Framing
 from gateway.api.openai.render import TokenPieces
 from gateway.api.openai.protocol import GenerationRequest, parse_json
@@ -106,6 +107,11 @@ async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route:
               sampling: Sampling, n: int, stream: bool, framing: Framing) -> web.StreamResponse:
     """Generate n choices of `prompt` and answer with them, framed for the client's API."""
     assert st.orchestrator is not None, "app not started"
+    if sampling.grammar is not None:  # structured output starts after the reasoning (gateway.text.reasoning.gate_grammar)
+        tok = st.tokenizers[route.id]
+        tail = tok.decode(prompt.ids[-8:], skip_special_tokens=False)
+        sampling = replace(sampling, grammar=gate_grammar(sampling.grammar,
+                                                          parser_name(route.reasoning_parser, tok.model_type), tail))
     choices = Choices(st.orchestrator, route, prompt, per_choice(sampling, n))
     rec.started(route.id)
     await choices.start()

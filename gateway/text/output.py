@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from gateway.text.reasoning import Delta, HarmonyParser, reasoning_parser
 from gateway.text.toolcalls import ToolCall, tool_parser
-from gateway.text.toolcalls.harmony import calls_from
+from gateway.text.toolcalls.base import CallPiece
+from gateway.text.toolcalls.harmony import HarmonyCalls
 
 # A model family's default tool-call format (config.toml `tool_parser` overrides it; "none": no parsing).
 FAMILY_TOOLS = {"gpt_oss": "harmony", "qwen3_moe": "qwen3_coder", "qwen3": "hermes", "qwen2": "hermes"}
@@ -20,9 +21,12 @@ def tool_parser_name(configured: str | None, model_type: str | None) -> str | No
 
 @dataclass
 class Parts:
+    """`calls`: calls completed in this chunk; `pieces`: the calls as they stream (name first, then arguments)."""
+
     reasoning: str = ""
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    pieces: list[CallPiece] = field(default_factory=list)
 
 
 class OutputParser:
@@ -31,9 +35,9 @@ class OutputParser:
 
     def __init__(self, reasoning: str | None, tools: str | None = None, tool_list: list[dict] | None = None):
         self.reasoning = reasoning_parser(reasoning) if reasoning else None
-        self.harmony_calls = tools == "harmony"
-        self.tools = tool_parser(tools, tool_list) if tools and not self.harmony_calls else None
-        self.calls = 0  # calls released so far: the next one's OpenAI index
+        self.harmony_calls = HarmonyCalls() if tools == "harmony" else None
+        self.tools = tool_parser(tools, tool_list) if tools and tools != "harmony" else None
+        self.calls = 0  # calls completed so far
 
     def feed(self, text: str) -> Parts:
         return self._split(self.reasoning.feed(text) if self.reasoning else Delta(content=text), last=False)
@@ -49,17 +53,17 @@ class OutputParser:
 
     def whole(self, text: str, stopped: bool = True) -> Parts:
         a, b = self.feed(text), self.finish(stopped)
-        return Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
+        return Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls, a.pieces + b.pieces)
 
     def _split(self, d: Delta, last: bool) -> Parts:
-        content, calls = d.content, []
-        if self.harmony_calls:
-            td = calls_from(d)
-            content, calls = td.content, td.calls
+        content, calls, pieces = d.content, [], []
+        if self.harmony_calls is not None:
+            td = self.harmony_calls.split(d)
+            content, calls, pieces = td.content, td.calls, td.pieces
         elif self.tools is not None:
             td = self.tools.feed(content)
             if last:
                 td = td.add(self.tools.finish())
-            content, calls = td.content, td.calls
+            content, calls, pieces = td.content, td.calls, td.pieces
         self.calls += len(calls)
-        return Parts(d.reasoning, content, calls)
+        return Parts(d.reasoning, content, calls, pieces)

@@ -20,21 +20,25 @@ class HarmonyMessage:
     channel: str
     content_type: str
     body: str
+    number: int = 0  # the output's tool-addressed messages, counted from 0 (matches Delta.pieces)
 
 
 @dataclass
 class Delta:
-    """What one fed chunk adds: reasoning text, final content text, and finished tool-addressed messages."""
+    """What one fed chunk adds: reasoning text, final content text, finished tool-addressed messages, and those
+    messages as they stream: (message number, recipient, body text), the first of each with empty text."""
 
     reasoning: str = ""
     content: str = ""
     messages: list[HarmonyMessage] = field(default_factory=list)
+    pieces: list[tuple[int, str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.messages)
+        return bool(self.reasoning or self.content or self.messages or self.pieces)
 
     def add(self, other: "Delta") -> "Delta":
-        return Delta(self.reasoning + other.reasoning, self.content + other.content, self.messages + other.messages)
+        return Delta(self.reasoning + other.reasoning, self.content + other.content, self.messages + other.messages,
+                     self.pieces + other.pieces)
 
 
 class ThinkParser:
@@ -72,9 +76,10 @@ class ThinkParser:
 class HarmonyParser:
     """gpt-oss harmony output: `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
     <|message|>...<|return|>`. analysis -> reasoning, final -> content; a message with a recipient
-    (`commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`) comes back whole in `messages`;
-    commentary without one is preamble text shown as content. The prompt ends with `<|start|>assistant`, so output
-    opens inside a header."""
+    (`commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`) streams in `pieces` and comes back
+    whole in `messages`; commentary without one is preamble text shown as content. The prompt ends with
+    `<|start|>assistant`, so output opens inside a header. No markup reaches content or reasoning: a stray marker in
+    a body is dropped, a header cut off is dropped, and a message cut off (max tokens) still ends."""
 
     def __init__(self):
         self.scanner = MarkerScanner(HARMONY_MARKERS)
@@ -82,15 +87,16 @@ class HarmonyParser:
         self.header = ""
         self.body = ""
         self.channel = self.recipient = self.content_type = ""
+        self.addressed = 0  # tool-addressed messages opened so far
 
     def feed(self, text: str) -> Delta:
         return self._apply(self.scanner.feed(text))
 
     def finish(self) -> Delta:
         d = self._apply(self.scanner.flush())
-        if self.state == "message" and self.recipient:  # cut off (max tokens) inside a call: its text is content
-            d.content += self.body
-        elif self.state == "header" and self.header.strip() and not self.channel:
+        if self.state == "message" and self.recipient:  # cut off inside a call: it ends with what came
+            self._close_message(d)
+        elif self.state == "header" and self.header.strip() and "<|" not in self.header and not self.channel:
             d.content += self.header  # no harmony at all: plain text is the answer
         return d
 
@@ -100,35 +106,42 @@ class HarmonyParser:
             if kind == "text":
                 self._text(s, d)
             elif s == "<|message|>" and self.state == "header":
-                self._open_message()
+                self._open_message(d)
             elif s in ("<|end|>", "<|return|>", "<|call|>") and self.state == "message":
                 self._close_message(d)
             elif s == "<|start|>":
                 self.state, self.header, self.channel = "header", "", ""
+            elif s == "<|channel|>" and self.state in ("message", "done"):  # a header without <|end|><|start|>
+                if self.state == "message":
+                    self._close_message(d)
+                self.state, self.header = "header", " <|channel|> "
             elif s in ("<|channel|>", "<|constrain|>") and self.state == "header":
                 self.header += " " + s + " "
-            elif self.state == "message":  # a stray marker inside a message body is kept as text
-                self._text(s, d)
         return d
 
     def _text(self, s: str, d: Delta) -> None:
         if self.state == "header":
             self.header += s
         elif self.state == "message" and self.recipient:
-            self.body += s  # a tool call is released whole, at its end
+            self.body += s
+            d.pieces.append((self.addressed, self.recipient, s))
         elif self.state == "message" and self.channel == "analysis":
             d.reasoning += s
         elif self.state == "message":
             d.content += s
 
-    def _open_message(self) -> None:
+    def _open_message(self, d: Delta) -> None:
         channel, recipient, ctype = parse_header(self.header)
         self.channel, self.recipient, self.content_type = channel, recipient, ctype
         self.state, self.body = "message", ""
+        if recipient:
+            d.pieces.append((self.addressed, recipient, ""))
 
     def _close_message(self, d: Delta) -> None:
         if self.recipient:
-            d.messages.append(HarmonyMessage(self.recipient, self.channel, self.content_type, self.body))
+            d.messages.append(HarmonyMessage(self.recipient, self.channel, self.content_type, self.body,
+                                             self.addressed))
+            self.addressed += 1
         self.state, self.header, self.body, self.recipient = "done", "", "", ""
 
 
@@ -165,6 +178,27 @@ def template_kwargs(parser: str, reasoning_effort: str | None = None, think: boo
     if parser == "think":
         return {} if think is None and effort is None else {"enable_thinking": think is not False}
     return {}
+
+
+# Where a final answer begins: structured output constrains only what follows (vLLM's harmony structural tag takes
+# the same headers: plain, `json` and `<|constrain|>json`).
+HARMONY_FINAL = ("<|channel|>final<|message|>", "<|channel|>final json<|message|>",
+                 "<|channel|>final <|constrain|>json<|message|>")
+
+
+def gate_grammar(grammar: dict | None, parser: str | None, prompt_tail: str) -> dict | None:
+    """A JSON grammar that starts after the model's reasoning, as vLLM and Ollama constrain thinking models: harmony
+    after its final-channel header, `<think>` models after `</think>` (when the output opens a block, or the prompt
+    did). `prompt_tail`: the prompt's last text; a prompt that already ended the reasoning is constrained at once.
+    Forced tool-call grammars (lark) already admit the reasoning and are left as they are."""
+    if not grammar or grammar.get("type") == "lark" or parser not in ("harmony", "think"):
+        return grammar
+    tail = prompt_tail.rstrip()
+    if parser == "harmony":
+        return grammar if tail.endswith(HARMONY_FINAL) else {**grammar, "after": list(HARMONY_FINAL)}
+    if tail.endswith("</think>"):
+        return grammar
+    return {**grammar, "after": ["</think>"], **({} if tail.endswith("<think>") else {"open": "<think>"})}
 
 
 REASONING_PARSERS = {"harmony": HarmonyParser, "think": ThinkParser}

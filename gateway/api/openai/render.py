@@ -161,13 +161,23 @@ class ChatRenderer(_Renderer):
         return self._parsers[index]
 
     @staticmethod
-    def _parts(p: Parts, first_call: int = 0) -> dict:
-        """Parsed parts as message fields: reasoning under both names clients read (vLLM's old and new)."""
+    def _parts(p: Parts, after_call: bool = False) -> dict:
+        """Parsed parts as delta fields: reasoning under both names clients read (vLLM's old and new), and calls
+        as vLLM streams them: id, type and name first, then argument fragments, each by its call's index."""
         out: dict = {"reasoning_content": p.reasoning, "reasoning": p.reasoning} if p.reasoning else {}
-        if p.content and (p.content.strip() or not first_call):  # whitespace after a call is no content
+        if p.content and (p.content.strip() or not after_call):  # whitespace after a call is no content
             out["content"] = p.content
-        if p.calls:
-            out["tool_calls"] = [c.openai(first_call + i) for i, c in enumerate(p.calls)]
+        calls: list[dict] = []
+        for piece in p.pieces:
+            if piece.name is None and calls and calls[-1]["index"] == piece.call:
+                calls[-1]["function"]["arguments"] += piece.arguments
+            elif piece.name is None:
+                calls.append({"index": piece.call, "function": {"arguments": piece.arguments}})
+            else:
+                calls.append({"index": piece.call, "id": piece.id, "type": "function",
+                              "function": {"name": piece.name, "arguments": piece.arguments}})
+        if calls:
+            out["tool_calls"] = calls
         return out
 
     def _delta(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
@@ -186,8 +196,8 @@ class ChatRenderer(_Renderer):
 
     def _feed(self, index: int, text: str, last: bool, stopped: bool = True) -> dict:
         p = self._parser(index)
-        first = p.calls
-        return self._parts(p.finish(stopped) if last else p.feed(text), first)
+        after_call = p.calls > 0
+        return self._parts(p.finish(stopped) if last else p.feed(text), after_call)
 
     def finish(self, index: int, reason: str) -> dict:
         rest = {} if not self.splits else self._feed(index, "", True, reason == "stop")
@@ -199,9 +209,9 @@ class ChatRenderer(_Renderer):
         if not self.splits:
             return {"role": "assistant", "content": r.text}, r.finish_reason
         p = OutputParser(self.reasoning, self.tools, self.tool_list).whole(r.text, r.finish_reason == "stop")
-        # Whitespace between parallel calls is no content: null, as OpenAI and vLLM answer a call-only turn.
-        content = p.content if p.content.strip() or not p.calls else ""
-        msg: dict = {"role": "assistant", "content": content or (None if p.calls else "")}
+        # Beside calls, whitespace between them is no answer (content null, as vLLM).
+        content = (p.content.strip() or None) if p.calls else p.content
+        msg: dict = {"role": "assistant", "content": content}
         if self.reasoning is not None:
             msg["reasoning_content"] = msg["reasoning"] = p.reasoning or None
         if p.calls:

@@ -1,4 +1,5 @@
-"""The tool-call parser interface and the call type every parser returns (OpenAI and Ollama shapes)."""
+"""The tool-call parser interface and the call type every parser returns (OpenAI and Ollama shapes); parsers also
+stream each call as pieces (its name first, then argument text) for OpenAI's tool-call deltas."""
 
 from __future__ import annotations
 
@@ -22,18 +23,30 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
     def ollama(self) -> dict:
-        return {"function": {"name": self.name, "arguments": json.loads(self.arguments)}}
+        return {"function": {"name": self.name, "arguments": arguments_object(self.arguments)}}
+
+
+@dataclass
+class CallPiece:
+    """A streamed part of a call: `call` numbers the calls of one output from 0; the first piece of a call carries
+    its `id` and `name`, every piece a fragment of its arguments (the fragments join to ToolCall.arguments)."""
+
+    call: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
 
 
 @dataclass
 class ToolDelta:
-    """What a fed chunk adds: text outside any call, and calls completed in it."""
+    """What a fed chunk adds: text outside any call, calls completed in it, and the call pieces it streams."""
 
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    pieces: list[CallPiece] = field(default_factory=list)
 
     def add(self, other: "ToolDelta") -> "ToolDelta":
-        return ToolDelta(self.content + other.content, self.calls + other.calls)
+        return ToolDelta(self.content + other.content, self.calls + other.calls, self.pieces + other.pieces)
 
 
 class ToolParser:
@@ -48,6 +61,7 @@ class ToolParser:
         self.scanner = MarkerScanner([self.start, self.end])
         self.inside = False
         self.body = ""
+        self.released = 0  # calls parsed so far: the next one's number
 
     def feed(self, text: str) -> ToolDelta:
         return self._apply(self.scanner.feed(text))
@@ -70,6 +84,8 @@ class ToolParser:
                     d.content += self.start + self.body + self.end
                 else:
                     d.calls.extend(calls)
+                    d.pieces.extend(whole_pieces(calls, self.released))
+                    self.released += len(calls)
                 self.inside, self.body = False, ""
             elif self.inside:
                 self.body += s
@@ -94,3 +110,18 @@ def arguments_text(args) -> str:
     if not isinstance(args, dict):
         return None
     return json.dumps(args, ensure_ascii=False)
+
+
+def arguments_object(arguments: str) -> dict:
+    """Arguments text as Ollama's object: text that is not a JSON object (a model's invalid JSON, passed through as
+    vLLM does) has no object form, and becomes {}."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def whole_pieces(calls: list[ToolCall], first: int) -> list[CallPiece]:
+    """Calls parsed whole (at their end marker), as one piece each."""
+    return [CallPiece(first + i, c.arguments, c.name, c.id) for i, c in enumerate(calls)]

@@ -6,7 +6,8 @@ Formats, as the parsers in this package read them back:
 - harmony (gpt-oss): optional analysis, then `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
   + JSON arguments + `<|call|>`;
 - qwen3_coder: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`,
-  parameters in schema order, required ones always, strings as raw text and the rest as JSON;
+  parameters in schema order, required ones always; a value that may be a string (nullable, untyped) as raw text
+  (the parser reads `null` back as null), a string enum as one of its values, the rest as JSON;
 - hermes: `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`.
 A marker that is one token of the tokenizer is written as a token (`<tool_call>`), else as text.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import json
 from typing import Callable
+
+from gateway.text.toolcalls.schema_types import schema_types
 
 FORCED_PARSERS = ("harmony", "qwen3_coder", "hermes")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -80,13 +83,20 @@ def _qwen3_coder(tools: list[dict], tok: _Marker) -> str:
         for j, (p, ps) in enumerate((schema.get("properties") or {}).items()):
             rule, ps = f"p_{i}_{j}", ps if isinstance(ps, dict) else {}
             parts.append(rule if p in required else f"{rule}?")
-            head = _lit(f"<parameter={p}>\n")
-            if ps.get("type") == "string":  # raw text up to the closing tag, as the template writes strings
-                lines += [f"{rule}: {head} v_{i}_{j}", f"v_{i}_{j}[stop={end_param}]: /(?s:.*)/"]
-            else:
-                lines.append(f"{rule}: {head} %json {_schema(ps)} {end_param}")
+            lines += _qwen3_value(rule, f"v_{i}_{j}", _lit(f"<parameter={p}>\n"), ps, end_param)
         lines.append(f"call_{i}: {_lit(f'<function={_name(t)}>' + chr(10))} {' '.join(parts)}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _qwen3_value(rule: str, value: str, head: str, schema: dict, end: str) -> list[str]:
+    """Rules for one parameter's value as the template writes it and the parser reads it back (schema_types)."""
+    types = schema_types(schema)
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if types == {"string"} and isinstance(choices, list) and choices:  # an enum, typed or not: one of its texts
+        return [f"{rule}: {head} ({' | '.join(_lit(c) for c in choices)}) {end}"]
+    if "string" in types:  # raw text up to the closing tag, as the template writes strings
+        return [f"{rule}: {head} {value}", f"{value}[stop={end}]: /(?s:.*)/"]
+    return [f"{rule}: {head} %json {_schema(schema)} {end}"]
 
 
 def _hermes(tools: list[dict], tok: _Marker) -> str:

@@ -1,48 +1,64 @@
 """gpt-oss harmony calls: a message to `functions.NAME` (`<|channel|>commentary to=functions.NAME <|constrain|>json
-<|message|>{...}<|call|>`), found by gateway.text.reasoning's HarmonyParser, which also splits analysis from final."""
+<|message|>{...}<|call|>`), found by gateway.text.reasoning's HarmonyParser, which also splits analysis from final.
+As vLLM: the arguments are the message body as the model wrote it (invalid JSON too), and messages to built-in
+tools (`python`, `browser.*`) are neither calls nor content."""
 
 from __future__ import annotations
 
-from gateway.text.reasoning import HarmonyMessage, HarmonyParser
-from gateway.text.toolcalls.base import ToolCall, ToolDelta, arguments_text
+from gateway.text.reasoning import Delta, HarmonyParser
+from gateway.text.toolcalls.base import CallPiece, ToolCall, ToolDelta
 
 
-def call_from_message(m: HarmonyMessage) -> ToolCall | None:
-    """The call a tool-addressed message makes; None when it is not a well-formed function call."""
-    if not m.recipient.startswith("functions.") or len(m.recipient) == len("functions."):
-        return None
-    try:
-        args = arguments_text(m.body.strip() or "{}")
-    except ValueError:
-        return None
-    return None if args is None else ToolCall(m.recipient[len("functions."):], args)
+def function_name(recipient: str) -> str | None:
+    """NAME of a `functions.NAME` recipient; None for any other recipient."""
+    name = recipient[len("functions."):] if recipient.startswith("functions.") else ""
+    return name or None
 
 
-def message_text(m: HarmonyMessage) -> str:
-    """A malformed call given back as the text the model wrote."""
-    return f"<|channel|>{m.channel} to={m.recipient} <|constrain|>{m.content_type}<|message|>{m.body}<|call|>"
+class HarmonyCalls:
+    """Turns a HarmonyParser's tool-addressed messages into calls: pieces as the body streams (the name when the
+    header ends), the whole call when the message ends."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, ToolCall] = {}  # message number -> its call so far
+        self.numbers: dict[int, int] = {}  # message number -> call number
+        self.started = 0
+
+    def split(self, d: Delta) -> ToolDelta:
+        out = ToolDelta(content=d.content)
+        for msg, recipient, text in d.pieces:
+            name = function_name(recipient)
+            if name is None:
+                continue
+            if msg not in self.live:
+                call = self.live[msg] = ToolCall(name, "")
+                self.numbers[msg] = self.started
+                self.started += 1
+                out.pieces.append(CallPiece(self.numbers[msg], "", name, call.id))
+            if text:
+                self.live[msg].arguments += text
+                out.pieces.append(CallPiece(self.numbers[msg], text))
+        for m in d.messages:
+            call = self.live.pop(m.number, None)
+            if call is None:
+                continue
+            if not call.arguments.strip():  # a call without arguments: the empty object
+                out.pieces.append(CallPiece(self.numbers[m.number], "{}"))
+                call.arguments += "{}"
+            out.calls.append(call)
+        return out
 
 
 class HarmonyToolParser:
-    """Tool calls from harmony output; final text is content (analysis is dropped here: use HarmonyParser itself
-    to keep both reasoning and calls, with `calls_from`)."""
+    """Tool calls from harmony output; final text is content (analysis is dropped here: OutputParser keeps both
+    reasoning and calls)."""
 
     def __init__(self, tools: list[dict]):
         self.parser = HarmonyParser()
+        self.calls = HarmonyCalls()
 
     def feed(self, text: str) -> ToolDelta:
-        return calls_from(self.parser.feed(text))
+        return self.calls.split(self.parser.feed(text))
 
     def finish(self) -> ToolDelta:
-        return calls_from(self.parser.finish())
-
-
-def calls_from(delta) -> ToolDelta:
-    out = ToolDelta(content=delta.content)
-    for m in delta.messages:
-        call = call_from_message(m)
-        if call is None:
-            out.content += message_text(m)
-        else:
-            out.calls.append(call)
-    return out
+        return self.calls.split(self.parser.finish())
