@@ -28,20 +28,14 @@ from kv_bridge import wire  # noqa: E402
 from kv_bridge.config import KVConfig  # noqa: E402
 from kv_bridge.receiver import KVReceiver, Transfer  # noqa: E402
 from kv_bridge.sender import KVSender, _Writer  # noqa: E402
+from tests.stack import free_port  # noqa: E402
 
 L, H, D = 30, 3, 64  # SmolLM2: float32 on the wire, as the embedded model stores it
 SPEC = {"fingerprint": "bench", "num_layers": L, "num_kv_heads": H, "head_dim": D}
 
 
 def target(n: int) -> float:
-    """The median ratio to raw to reach: 0.8 up to 1k tokens (the fixed costs weigh most), 0.9 beyond."""
-    return 0.8 if n <= 1024 else 0.9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return 0.8 if n <= 1024 else 0.9  # the median ratio to raw to reach: fixed costs weigh most at 1k tokens
 
 
 class LoopThread:
@@ -183,7 +177,6 @@ class TimedWriter(_Writer):
 
 class TimedSender(KVSender):
     """KVSender whose writers are timed."""
-
     writer_cls = TimedWriter
 
     def __init__(self):
@@ -219,7 +212,6 @@ def micro(nbytes: int, reps: int = 5) -> dict[str, float]:
         bytes(ba)
 
     return {"xxh3_64 (KV frame checksum)": best(lambda: xxhash.xxh3_64_intdigest(buf)),
-            "zlib.crc32 (wire version 1)": best(lambda: zlib.crc32(buf)),
             "bytes(memoryview) copy": best(lambda: bytes(memoryview(buf))),
             "bytearray grow + bytes()": best(grow),
             "np.frombuffer + copy to preallocated": best(lambda: np.copyto(dst, np.frombuffer(buf, np.float32)))}
