@@ -147,7 +147,7 @@ def test_tampered_reordered_or_truncated_frames_are_refused(attack, dtype):
                     s.sendall(f)
                 s.shutdown(socket.SHUT_WR)
                 s.recv(1 << 16)
-            except ConnectionError:
+            except OSError:  # reset, broken pipe, or not connected any more (shutdown after the receiver hung up)
                 pass
 
     with pytest.raises(TransferError) as e:
