@@ -28,16 +28,14 @@ from kv_bridge import wire  # noqa: E402
 from kv_bridge.config import KVConfig  # noqa: E402
 from kv_bridge.receiver import KVReceiver, Transfer  # noqa: E402
 from kv_bridge.sender import KVSender, _Writer  # noqa: E402
+from tests.stack import free_port  # noqa: E402
 
 L, H, D = 30, 3, 64  # SmolLM2: float32 on the wire, as the embedded model stores it
 SPEC = {"fingerprint": "bench", "num_layers": L, "num_kv_heads": H, "head_dim": D}
-TARGET = 0.7
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def target(n: int) -> float:
+    return 0.8 if n <= 1024 else 0.9  # the median ratio to raw to reach: fixed costs weigh most at 1k tokens
 
 
 class LoopThread:
@@ -179,7 +177,6 @@ class TimedWriter(_Writer):
 
 class TimedSender(KVSender):
     """KVSender whose writers are timed."""
-
     writer_cls = TimedWriter
 
     def __init__(self):
@@ -215,7 +212,6 @@ def micro(nbytes: int, reps: int = 5) -> dict[str, float]:
         bytes(ba)
 
     return {"xxh3_64 (KV frame checksum)": best(lambda: xxhash.xxh3_64_intdigest(buf)),
-            "zlib.crc32 (wire version 1)": best(lambda: zlib.crc32(buf)),
             "bytes(memoryview) copy": best(lambda: bytes(memoryview(buf))),
             "bytearray grow + bytes()": best(grow),
             "np.frombuffer + copy to preallocated": best(lambda: np.copyto(dst, np.frombuffer(buf, np.float32)))}
@@ -375,12 +371,12 @@ def report(rows: list[dict], reps: int) -> None:
     print(f"\nmachine: nproc {len(os.sched_getaffinity(0))} (shared: numbers are noisy); loopback TCP; {L} layers x "
           f"(K, V) of ({H}, T, {D}) float32, one frame per layer; {reps} reps each, interleaved; medians (and bests)")
     print(f"{'tokens':>7}{'MB':>8}{'bridge ms':>11}{'GB/s':>7}{'raw ms':>9}{'GB/s':>7}{'ratio':>8}"
-          f"{'best ratio':>12}  target >= {TARGET}x")
+          f"{'best ratio':>12}  target")
     for r in rows:
         b, w = statistics.median(r["bridge"]), statistics.median(r["raw"])
         ratio, best = w / b, min(r["raw"]) / min(r["bridge"])
         print(f"{r['n']:>7}{r['bytes'] / 1e6:>8.1f}{b * 1e3:>11.1f}{r['bytes'] / b / 1e9:>7.2f}{w * 1e3:>9.1f}"
-              f"{r['bytes'] / w / 1e9:>7.2f}{ratio:>7.2f}x{best:>11.2f}x  {'ok' if ratio >= TARGET else 'MISS'}")
+              f"{r['bytes'] / w / 1e9:>7.2f}{ratio:>7.2f}x{best:>11.2f}x  >= {target(r['n'])}x {'ok' if ratio >= target(r['n']) else 'MISS'}")
     print("ratio = raw time / bridge time (bridge GB/s over raw GB/s); bridge time: open() until the receiver holds "
           "all layers as float32 (L, H, T, D)")
 

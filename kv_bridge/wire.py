@@ -9,8 +9,8 @@ KV body: layer u32 | token_start u32 | token_count u32 | k_scale f32 | v_scale f
          in the HEADER's wire dtype (kv_bridge/dtypes.py); scales are 1.0 except for fp8.
 Streams: one transfer may arrive as several streams (tensor/pipeline-parallel ranks), each declaring the KV heads
 [head_start, head_start + head_count) and the layers it carries; its KV frames hold only those heads.
-Auth (when nodes share a secret): the HEADER's `auth` is an HMAC of its fields; with `frame_mac`, every later
-sender frame is followed by a 32-byte tag chained from it (FrameMac).
+Auth (when nodes share a secret): the HEADER's `auth` is an HMAC-SHA256 of its fields; with `frame_mac`, every
+later sender frame is followed by a 32-byte keyed-BLAKE3 tag chained from it (FrameMac).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 import xxhash
 
 from kv_bridge import dtypes
 
-VERSION = 2  # 2: KV frames checksummed with xxh3_64 (1: crc32)
+VERSION = 3  # 3: frame tags are keyed BLAKE3 (2: HMAC-SHA256 tags, KV frames checksummed with xxh3_64; 1: crc32)
 HEADER, KV, DONE, ERROR, ACK = 1, 2, 3, 4, 5
 FRAME_TYPES = {HEADER, KV, DONE, ERROR, ACK}
 PREFIX = struct.Struct("<BI")
@@ -38,7 +39,8 @@ CRC = struct.Struct("<I")  # JSON frames: crc32
 XXH = struct.Struct("<Q")  # KV frames: xxh3_64
 MAX_CHECKSUM = XXH.size
 MAX_JSON_BYTES = 64 << 10
-TAG_BYTES = 32  # HMAC-SHA256
+TAG_BYTES = 32  # header auth: HMAC-SHA256; frame tags: keyed BLAKE3
+FRAME_KEY_CONTEXT = "disagg kv frame-mac v3"  # BLAKE3 derive_key context: frame tags get a key of their own
 _HEX_TAG = re.compile(f"[0-9a-f]{{{2 * TAG_BYTES}}}")
 
 
@@ -170,32 +172,48 @@ def header_auth_ok(hdr: StreamHeader, key: bytes) -> bool:
 
 
 class FrameMac:
-    """Chained per-frame tags: tag_i = HMAC-SHA256(key, tag_{i-1} | type u8 | body_len u32 | body), tag_0 = the
-    header's auth. The chain binds each frame to its stream and position: none can be dropped, reordered,
-    replayed from another stream or spliced in, even by someone on the path."""
+    """Chained per-frame tags: tag_i = BLAKE3(frame key, tag_{i-1} | type u8 | body_len u32 | body), tag_0 = the
+    header's auth, frame key = BLAKE3-derive_key(FRAME_KEY_CONTEXT, KV key). The chain binds each frame to its
+    stream and position: none can be dropped, reordered, replayed from another stream or spliced in, even by
+    someone on the path. Keyed BLAKE3 rather than HMAC-SHA256: 7.4 against 1.1 GB/s on one core here
+    (bench/bench_kv_auth.py), so the tag no longer sets the transfer's pace."""
 
     def __init__(self, key: bytes, header_auth: str):
-        self._key = key
+        self._key = blake3.blake3(key, derive_key_context=FRAME_KEY_CONTEXT).digest()
         self._prev = bytes.fromhex(header_auth)
 
-    def _next(self, prefix: bytes, body) -> bytes:
-        h = hmac.new(self._key, self._prev, hashlib.sha256)
-        h.update(prefix)
-        for b in body:
-            h.update(b)
+    def begin(self, ftype: int, length: int):
+        """A running tag for the next frame (type, body length): update() it with the body in order, then
+        seal_running() (sender) or check_running() (receiver)."""
+        h = blake3.blake3(self._prev, key=self._key)
+        h.update(PREFIX.pack(ftype, length))
+        return h
+
+    def _advance(self, h) -> bytes:
         self._prev = h.digest()
         return self._prev
 
     def seal(self, parts: list) -> list:
         """frame_parts(...) output plus its tag, to be written in order."""
-        return [*parts, self._next(parts[0], parts[1:-1])]
+        ftype, length = PREFIX.unpack(parts[0])
+        h = self.begin(ftype, length)
+        for b in parts[1:-1]:
+            h.update(b)
+        return [*parts, self._advance(h)]
 
     def check(self, ftype: int, body: bytes | memoryview, tag: bytes) -> None:
         self.check_parts(ftype, len(body), (body,), tag)
 
     def check_parts(self, ftype: int, length: int, parts, tag: bytes) -> None:
         """As check(), for a body received in pieces (`parts`, in order, `length` bytes in all)."""
-        if not hmac.compare_digest(self._next(PREFIX.pack(ftype, length), parts), tag):
+        h = self.begin(ftype, length)
+        for b in parts:
+            h.update(b)
+        self.check_running(h, tag)
+
+    def check_running(self, h, tag: bytes | memoryview) -> None:
+        """Check a running tag from begin(), fed the whole body, against the frame's `tag`; the chain moves on."""
+        if not hmac.compare_digest(self._advance(h), bytes(tag)):
             raise WireError("frame authentication failed (tag mismatch): the stream was altered or forged")
 
 

@@ -139,7 +139,7 @@ def test_truncated_stream_fails_the_transfer():
 def test_other_wire_version_is_refused_by_name_at_once():
     """A node of wire version 1 (crc32 KV frames) reads the same HEADER/ERROR frames: both sides learn why."""
     old = wire.json_frame(wire.HEADER, {**header("t1", 10).to_json(), "version": 1})
-    with pytest.raises(TransferError, match="wire version 1 not supported .this side speaks 2"):
+    with pytest.raises(TransferError, match=f"wire version 1 not supported .this side speaks {wire.VERSION}"):
         asyncio.run(run_transfer(raw_send([old])))
 
 
