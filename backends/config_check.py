@@ -9,17 +9,28 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends.budget import budgets
 from kv_bridge.config import ConfigError, NodeConfig, Settings, is_loopback, resolve_model_path
+
+# How each role starts on the seed site (docs/deploy.md): the flags the prefill image needs, the Mac install script.
+PREFILL_RUN = ("docker run -d --name disagg-prefill --restart unless-stopped --gpus all --network host --ipc=host "
+               "-v /opt/disagg:/opt/disagg:ro -e DISAGG_CONFIG=/opt/disagg/config.toml {mounts}-v disagg-cache:/root/.cache "
+               "disagg-prefill --node {name}")
+DECODE_RUN = "docker/install-mac.sh {name}  (launchd com.disagg.decode: disagg decode --node {name})"
+GATEWAY_RUN = "docker-compose -f docker/compose.yaml -p disagg up -d --build"
 
 
 @dataclass
 class Report:
     machines: list[dict] = field(default_factory=list)  # one per gateway / node: what runs there
+    budgets: list = field(default_factory=list)  # backends.budget.Budget per node that states memory_gib
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings}
+        return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings,
+                "budgets": [{"node": b.node, "memory_gib": dict(b.memory), "available_gib": b.available_gib,
+                             "disk_gib": dict(b.disk), "disk_available_gib": b.disk_gib} for b in self.budgets]}
 
 
 def check(settings: Settings, config: Path) -> Report:
@@ -32,12 +43,13 @@ def check(settings: Settings, config: Path) -> Report:
     _check_addresses(settings, rep)
     _check_models(settings, config, rep)
     _check_prefill_memory(settings, rep)
+    rep.budgets = budgets(settings, config, rep.errors, rep.warnings)
     return rep
 
 
 def _gateway(s: Settings) -> dict:
     models = {m.id: m.aliases for m in s.models}
-    run = "disagg gateway" if is_loopback(s.gateway.host) else "docker compose -f docker/compose.yaml up -d"
+    run = "disagg gateway" if is_loopback(s.gateway.host) else GATEWAY_RUN
     return {"machine": f"{s.gateway.host}:{s.gateway.port}", "role": "gateway", "name": "gateway", "run": run,
             "http": f"http://{s.gateway.host}:{s.gateway.port}", "kv": "-", "models": models}
 
@@ -46,9 +58,13 @@ def _node(s: Settings, node: NodeConfig) -> dict:
     pool = "prefill" if node.role == "prefill" else "decode"
     models = {m.id: {"max_model_len": m.max_model_len} for m in s.models if node.name in getattr(m, pool)}
     if node.role == "prefill":
-        run, kv = f"docker run --gpus all --network host disagg-prefill --node {node.name}", "sends"
+        # the model folders are mounted at the paths the config names (real folders: a symlink would dangle inside)
+        dirs = sorted({str(Path(m.path).parent) for m in s.models if node.name in m.prefill
+                       and Path(m.path).is_absolute() and not m.path.startswith("/opt/disagg/")})
+        mounts = "".join(f"-v {d}:{d}:ro " for d in dirs)
+        run, kv = PREFILL_RUN.format(mounts=mounts, name=node.name), "sends"
     else:
-        run = f"launchd com.disagg.decode (disagg decode --node {node.name})"
+        run = DECODE_RUN.format(name=node.name)
     if is_loopback(node.host):
         run = f"disagg {node.role} --node {node.name}  (all roles at once: disagg up)"
     if node.role == "decode":
@@ -67,11 +83,12 @@ def _check_auth(s: Settings, rep: Report) -> None:
     if not is_loopback(s.gateway.host) and not (s.auth.api_keys or s.auth.api_keys_file):
         rep.warnings.append(f"the gateway listens on {s.gateway.host} with no auth.api_keys: any client on the "
                             f"network can use it")
+    where = {"auth.node_secret_file": "the gateway box and every node", "auth.api_keys_file": "the gateway box"}
     for what, fn in (("auth.node_secret_file", s.auth.secret), ("auth.api_keys_file", s.auth.client_keys)):
         try:
             fn()
         except ConfigError as e:  # the files live on the machines, not necessarily where the check runs
-            rep.warnings.append(f"{e} (it must exist on every machine that runs a role)")
+            rep.warnings.append(f"{e} (it must exist on {where[what]}, readable by the process that runs there)")
 
 
 def _check_addresses(s: Settings, rep: Report) -> None:
@@ -139,6 +156,8 @@ def render(rep: Report, settings: Settings) -> str:
         extra = f"  fingerprint {facts['fingerprint']} ({facts['quantization']})" if facts else ""
         lines.append(f"  {r.id}  [{', '.join(r.aliases) or 'no aliases'}]  {r.max_model_len} tokens  "
                      f"{', '.join(r.prefill) or '(none)'} -> {', '.join(r.decode)}{extra}")
+    if rep.budgets:
+        lines += ["", "MEMORY (GiB)"] + [b.line() for b in rep.budgets]
     lines += ["", "START"] + [f"  {m['name']}: {m['run']}" for m in rep.machines]
     lines += [f"ERROR: {e}" for e in rep.errors] + [f"warning: {w}" for w in rep.warnings]
     lines.append("config OK" if not rep.errors else f"{len(rep.errors)} error(s)")
