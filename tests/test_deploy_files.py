@@ -89,6 +89,24 @@ def test_prometheus_config_and_rules_validate():
     assert scrape[0]["static_configs"][0]["targets"] == ["gateway:8000"]  # the compose service name and port
 
 
+def test_prometheus_scrapes_every_node_of_the_site():
+    """One target per [[nodes]] entry of examples/site.toml at its HTTP address, labelled with its name."""
+    from kv_bridge.config import load_config
+
+    site = load_config(ROOT / "examples" / "site.toml")
+    scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    targets = {sc["labels"]["node"]: (job["job_name"], sc["targets"]) for job in scrape for sc in job["static_configs"]
+               if "node" in sc.get("labels", {})}
+    assert targets == {n.name: (f"disagg-{n.role}", [f"{n.host}:{n.port}"]) for n in site.nodes}
+    # the dashboard has panels for each node family, grouped by that label
+    assert queried_metrics("prefill") and queried_metrics("decode")
+    dash = json.loads((DOCKER / "grafana/dashboards/disagg.json").read_text())
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            if re.search(r"vllm:|disagg_decode_", t["expr"]):
+                assert "by (node" in t["expr"], (p["title"], t["expr"])
+
+
 def test_grafana_provisioning():
     ds = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
     assert ds["url"] == "http://prometheus:9090"
@@ -102,18 +120,28 @@ def test_grafana_provisioning():
         assert want in titles, want
 
 
-def queried_metrics() -> dict[str, set[str]]:
-    """Every disagg_* name a dashboard panel or an alert rule queries, with where it is used."""
+# Which process exports a queried name: the prefill node (vLLM's registry), the decode node, else the gateway.
+NODE_FAMILIES = {"prefill": "vllm:", "decode": "disagg_decode_"}
+
+
+def source(name: str) -> str:
+    return next((role for role, prefix in NODE_FAMILIES.items() if name.startswith(prefix)), "gateway")
+
+
+def queried_metrics(role: str | None = None) -> dict[str, set[str]]:
+    """Every disagg_* / vllm:* name a dashboard panel or an alert rule queries (only `role`'s, when given), with
+    where it is used."""
     where: dict[str, set[str]] = {}
     dash = json.loads((DOCKER / "grafana/dashboards/disagg.json").read_text())
     exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
     rules = yaml.safe_load((DOCKER / "prometheus/alerts.yml").read_text())["groups"][0]["rules"]
     exprs += [(r["alert"], r["expr"]) for r in rules]
     for title, expr in exprs:
-        names = re.findall(r"\bdisagg_[a-z0-9_]+", expr)
-        assert names, f"{title}: queries no disagg metric: {expr}"
+        names = re.findall(r"\b(?:disagg_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr)
+        assert names, f"{title}: queries no disagg or vllm metric: {expr}"
         for n in names:
-            where.setdefault(n, set()).add(title)
+            if role is None or source(n) == role:
+                where.setdefault(n, set()).add(title)
     return where
 
 
@@ -132,7 +160,7 @@ async def test_dashboard_queries_only_exported_metrics(cluster):
     await cluster.chat(chat_body(LONG_TEXT, max_tokens=4))  # a disaggregated request: every family has samples
     async with cluster.http.get(f"{cluster.url}/metrics") as r:
         have = exported(await r.text())
-    missing = {n: sorted(w) for n, w in queried_metrics().items() if n not in have}
+    missing = {n: sorted(w) for n, w in queried_metrics("gateway").items() if n not in have}
     assert not missing, f"queried but not exported by the gateway: {missing}"
 
 
