@@ -1,13 +1,14 @@
 """docker/: the compose file, Prometheus config and rules, Grafana provisioning and dashboard, the launchd service.
 
-Prometheus files go through promtool (installed by `make test`); the compose file, which no daemon-free tool here
-validates, through PyYAML and a check of every key and path it uses; dashboard and alert queries against the
-metric names a real gateway exports on /metrics.
+Prometheus files go through promtool, the compose file through Debian's docker-compose (`config` needs no
+daemon), both images through hadolint, the install scripts through shellcheck (`make tools` installs them); the
+dashboard and alert queries against the metric names a real gateway exports on /metrics.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import plistlib
 import re
 import shutil
@@ -32,17 +33,65 @@ def compose() -> dict:
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())
 
 
+def tool(name: str, *args: str, ok: bool = True, **kw) -> subprocess.CompletedProcess:
+    exe = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    assert exe, f"{name} is missing: `make tools` installs it"
+    r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, **kw)
+    if ok:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
 def promtool(*args: str) -> str:
-    exe = shutil.which("promtool")
-    assert exe, "promtool is missing: `make test` installs it (Debian package prometheus)"
-    r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
+    return tool("promtool", *args).stdout
+
+
+def test_compose_config_validates(tmp_path):
+    """docker-compose v1 (Debian's) parses and interpolates the file; Grafana refuses to come up without a password."""
+    env = {"PATH": os.environ["PATH"], "GRAFANA_ADMIN_PASSWORD": "s3cret", "DISAGG_UID": "1000", "DISAGG_GID": "1000"}
+    r = tool("docker-compose", "-f", str(DOCKER / "compose.yaml"), "config", cwd=tmp_path, env=env)
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "s3cret"
+    assert cfg["services"]["gateway"]["user"] == "1000:1000"
+    env.pop("GRAFANA_ADMIN_PASSWORD")
+    r = tool("docker-compose", "-f", str(DOCKER / "compose.yaml"), "config", ok=False, cwd=tmp_path, env=env)
+    assert r.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("dockerfile", ["gateway.Dockerfile", "prefill.Dockerfile"])
+def test_hadolint(dockerfile):
+    tool("hadolint", str(DOCKER / dockerfile))
+
+
+def test_shellcheck_install_scripts():
+    scripts = sorted(DOCKER.glob("*.sh"))
+    assert DOCKER / "install-mac.sh" in scripts
+    tool("shellcheck", *map(str, scripts))
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", "models", ".disagg", "docker/.env"} <= ignored
+    for df in ("gateway.Dockerfile", "prefill.Dockerfile"):  # nothing an image COPYs is ignored
+        for src in re.findall(r"^COPY (\S+)", (DOCKER / df).read_text(), re.M):
+            assert src not in ignored, (df, src)
+
+
+def test_install_mac_creates_what_launchd_needs():
+    """launchd exits 78 when the log folder is missing: the script creates it, owned by the user, and the venv the
+    plist runs."""
+    plist = plistlib.loads((DOCKER / "launchd/com.disagg.decode.plist").read_bytes())
+    script = (DOCKER / "install-mac.sh").read_text()
+    assert Path(plist["StandardOutPath"]).parent.as_posix() == "/opt/disagg/logs"
+    assert '"$PREFIX/logs"' in script and 'sudo install -d -o "$(id -un)"' in script
+    assert plist["ProgramArguments"][0] == "/opt/disagg/.venv/bin/disagg" and '-m venv "$PREFIX/.venv"' in script
+    assert "sys.version_info < (3, 11)" in script and "iogpu.wired_limit_mb" in script
 
 
 def test_compose_services_and_paths():
     c = compose()
-    assert set(c) <= {"name", "services", "volumes", "secrets", "networks"}
+    assert set(c) <= {"version", "services", "volumes", "secrets", "networks"}  # no `name:`: compose v1 refuses it
     assert set(c["services"]) == {"gateway", "prometheus", "grafana"}
     for name, svc in c["services"].items():
         assert set(svc) <= SERVICE_KEYS, (name, set(svc) - SERVICE_KEYS)
