@@ -59,8 +59,10 @@ def _node(s: Settings, node: NodeConfig) -> dict:
     models = {m.id: {"max_model_len": m.max_model_len} for m in s.models if node.name in getattr(m, pool)}
     if node.role == "prefill":
         # the model folders are mounted at the paths the config names (real folders: a symlink would dangle inside)
-        dirs = sorted({str(Path(m.path).parent) for m in s.models if node.name in m.prefill
-                       and Path(m.path).is_absolute() and not m.path.startswith("/opt/disagg/")})
+        paths = [Path(m.path) for m in s.models if node.name in m.prefill and Path(m.path).is_absolute()]
+        dirs = {str(p.parent) for p in paths if not str(p).startswith("/opt/disagg/")}
+        dirs |= {str(p.resolve()) for p in paths if p.is_symlink()}  # a linked checkpoint: mount where it points
+        dirs = sorted(dirs)
         mounts = "".join(f"-v {d}:{d}:ro " for d in dirs)
         run, kv = PREFILL_RUN.format(mounts=mounts, name=node.name), "sends"
     else:
