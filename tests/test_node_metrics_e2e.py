@@ -81,3 +81,35 @@ async def test_metrics_open_other_routes_keep_the_node_credential():
     closed.router.add_get("/metrics", text)
     async with TestClient(TestServer(closed)) as client:
         assert (await client.get("/metrics")).status == 401
+
+
+def test_decode_metrics_count_where_a_prompt_came_from():
+    """DecodeMetrics over a stand-in for the service's state (the attributes its gauges read): prefix reuse, received
+    KV and local prefills by reason, in the Prometheus text a scrape returns."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from backends.node_metrics import DecodeMetrics
+
+    model = SimpleNamespace(batch_size=3, cache_bytes=1000, prefixes=SimpleNamespace(nbytes=500), queued=lambda: 2)
+    svc = SimpleNamespace(models={MODEL_ID: model}, running=5,
+                          receiver=SimpleNamespace(transfers={"a": 1}, inflight_bytes=4096))
+    m = DecodeMetrics(svc)
+    m.finished(MODEL_ID, prefix_tokens=64, kv_tokens=100, kv_bytes=9000, computed_tokens=1, fallback_reason=None)
+    m.finished(MODEL_ID, prefix_tokens=0, kv_tokens=0, kv_bytes=0, computed_tokens=40, fallback_reason="kv_timeout")
+    m.finished(MODEL_ID, prefix_tokens=0, kv_tokens=0, kv_bytes=0, computed_tokens=12, fallback_reason=None)
+    text = generate_latest(m.registry).decode()
+    assert sample(text, "disagg_decode_prefix_hits_total", model=MODEL_ID) == 1
+    assert sample(text, "disagg_decode_prefix_tokens_total", model=MODEL_ID) == 64
+    assert sample(text, "disagg_decode_kv_received_bytes_total", model=MODEL_ID) == 9000
+    assert sample(text, "disagg_decode_local_prefills_total", reason="kv_timeout") == 1
+    assert sample(text, "disagg_decode_local_prefills_total", reason="local_path") == 1
+    assert sample(text, "disagg_decode_local_prefills_total") == 2  # the bridged one ran only its last token
+    assert sample(text, "disagg_decode_batch_size", model=MODEL_ID) == 3
+    assert sample(text, "disagg_decode_generations_waiting", model=MODEL_ID) == 2
+    assert sample(text, "disagg_decode_kv_bytes", kind="prefix") == 500
+    assert sample(text, "disagg_decode_kv_bytes", kind="batch") == 1000
+    assert sample(text, "disagg_decode_requests_running") == 5
+    assert sample(text, "disagg_decode_kv_transfers") == 1
+    assert sample(text, "disagg_decode_kv_inflight_bytes") == 4096
