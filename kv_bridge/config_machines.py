@@ -1,5 +1,5 @@
 """What config.toml says about each machine (RAM, disk) and each model's weight sizes: the inputs of
-`disagg config check`'s memory and disk budget (backends/budget.py). Mixed into NodeConfig and ModelRoute.
+`disagg config check`'s memory and disk budget (backends/config_check.py). Mixed into NodeConfig and ModelRoute.
 """
 
 from __future__ import annotations
