@@ -130,6 +130,11 @@ def _check_models(s: Settings, config: Path, rep: Report) -> None:
         if need > s.kv.max_transfer_bytes:
             rep.errors.append(f"model {m.id!r}: a full context's KV is {need / 2**30:.1f} GiB > kv.max_transfer_bytes "
                               f"{s.kv.max_transfer_bytes / 2**30:.1f} GiB; raise it or lower max_model_len")
+        f32 = kv_bytes_per_token(folder, 4) * (m.max_model_len - 1)  # what a decode node reserves per transfer
+        if m.decode and f32 > s.kv.max_inflight_bytes:
+            rep.errors.append(f"model {m.id!r}: a full-context prompt's KV is {f32 / GIB:.2f} GiB as float32 > "
+                              f"kv.max_inflight_bytes {s.kv.max_inflight_bytes / GIB:.2f} GiB: every decode node "
+                              f"would refuse it (429); raise kv.max_inflight_bytes or lower max_model_len")
         for mach in rep.machines:
             if m.id in mach["models"] and isinstance(mach["models"][m.id], dict):
                 mach["models"][m.id].update(fingerprint=model_fingerprint(str(folder)),

@@ -110,3 +110,18 @@ def test_api_keys_warning_names_only_the_gateway(tmp_path):
     secret = next(w for w in warnings if w.startswith("auth.node_secret_file"))
     assert "on the gateway box," in keys and "every node" not in keys and "every machine" not in keys
     assert "the gateway box and every node" in secret
+
+
+def test_inflight_bound_must_hold_one_full_context(tmp_path):
+    """Where the model folder is here, its geometry says what one full-context transfer reserves on a Mac (float32):
+    a bound below it would refuse the longest prompts on every decode node."""
+    from stack import MODEL_DIR  # SmolLM2: 30 layers x 3 KV heads x 64 x 2 x 4 B = 45 KiB/token, 1.41 GiB at 32k
+
+    def edit(t, inflight):
+        return (t.replace('path = "/opt/disagg/models/gpt-oss-120b"', f'path = "{MODEL_DIR}"')
+                .replace("max_inflight_bytes = 6710886400", f"max_inflight_bytes = {inflight}"))
+    r = check(tmp_path, lambda t: edit(t, 2**30))
+    assert r.returncode == 2
+    assert "model 'gpt-oss:120b': a full-context prompt's KV is 1.41 GiB as float32 > kv.max_inflight_bytes 1.00" \
+        in r.stdout, r.stdout
+    assert check(tmp_path, lambda t: edit(t, 6710886400)).returncode == 0
