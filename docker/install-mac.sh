@@ -47,7 +47,7 @@ mem_gib=$(( $(sysctl -n hw.memsize) / 1073741824 ))
 cat <<EOF
 
 Installed into $PREFIX (venv, logs) and $AGENT.
-Before the service can start:
+Before the service can start (it is not started yet):
   - $PREFIX/config.toml (examples/site.toml, edited) and $PREFIX/node-secret (chmod 600, owned by $(id -un));
   - the models: $PREFIX/.venv/bin/disagg models prepare --config $PREFIX/config.toml --model ID --role decode ...
   - check: $PREFIX/.venv/bin/disagg config check $PREFIX/config.toml
@@ -59,10 +59,11 @@ FileVault: after a reboot the Mac waits at the unlock screen with no user sessio
 'sudo fdesetup authrestart' for planned reboots, or turn FileVault off and enable automatic login.
 EOF
 
-if [ -f "$PREFIX/config.toml" ]; then
-    launchctl bootout "gui/$(id -u)/com.disagg.decode" 2>/dev/null || true
-    launchctl bootstrap "gui/$(id -u)" "$AGENT"
-    echo "started com.disagg.decode for node $NODE; log: $PREFIX/logs/decode.log"
+# Not started here: the node loads every model at start, so the models come first (and converting one needs the
+# memory the running node would hold). An agent already loaded is restarted on the new venv.
+if launchctl print "gui/$(id -u)/com.disagg.decode" >/dev/null 2>&1; then
+    launchctl kickstart -k "gui/$(id -u)/com.disagg.decode"
+    echo "restarted com.disagg.decode for node $NODE; log: $PREFIX/logs/decode.log"
 else
-    echo "not started yet (no $PREFIX/config.toml): then run  launchctl bootstrap gui/$(id -u) $AGENT"
+    echo "Then start it:  launchctl bootstrap gui/$(id -u) $AGENT   (log: $PREFIX/logs/decode.log)"
 fi
