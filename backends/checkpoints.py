@@ -4,6 +4,7 @@ model fingerprint (geometry + tokenizer), and each side's quantization is report
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -14,6 +15,14 @@ from tqdm import tqdm
 from kv_bridge.fingerprint import model_fingerprint, model_quantization
 
 WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json")
+# Hub repos ship more than the HF folder vLLM and mlx-lm load: gpt-oss-120b adds original/ (its own format) and
+# metal/ (a reference kernel's weights), each as large as the model (~195 GB instead of ~65 GB). Never fetched.
+DOWNLOAD_IGNORE = ["original/*", "metal/*", "*.gguf", "*.pth", "*.pt", "pytorch_model*.bin", "*.msgpack", "*.h5",
+                   "onnx/*", "*.onnx"]
+# What the gateway box reads of a model (tokenizer, chat template, config.json for the reasoning/tool parsers and
+# /api/show): copied as real files, so the folder also works inside the gateway container.
+GATEWAY_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json"]
 
 
 class CheckpointError(RuntimeError):
@@ -51,10 +60,44 @@ def fetch(source: str, dest: Path, bar: tqdm | None = None) -> Path:
     if bar is not None:
         bar.set_postfix_str(f"download {source}")
     try:
-        snapshot_download(source, local_dir=str(dest))
+        snapshot_download(source, local_dir=str(dest), ignore_patterns=DOWNLOAD_IGNORE)
     except Exception as e:  # no network, no access, gated model
         raise CheckpointError(f"cannot download {source}: {e}; copy the folder here and pass its path") from None
     return dest
+
+
+def prepare_gateway(model_id: str, dest: Path, source: str) -> Path:
+    """The gateway's folder for `model_id`: GATEWAY_FILES only, copied (from a local folder) or downloaded."""
+    src = Path(source).expanduser()
+    dest.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        for name in GATEWAY_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, dest / name)  # follows links: a real file, readable in a container
+    else:
+        if source.startswith((".", "/", "~")) or source.count("/") != 1:
+            raise CheckpointError(f"{source} is neither a folder here nor a hub id (owner/name)")
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(source, local_dir=str(dest), allow_patterns=GATEWAY_FILES)
+        except ImportError:
+            raise CheckpointError("downloading needs huggingface_hub: pip install 'disagg[models]'") from None
+        except Exception as e:  # no network, no access, gated model
+            raise CheckpointError(f"cannot download {source}: {e}; copy its tokenizer files here") from None
+    missing = [n for n in ("config.json", "tokenizer.json") if not (dest / n).is_file()]
+    if not (dest / "chat_template.jinja").is_file() and "chat_template" not in _json(dest / "tokenizer_config.json"):
+        missing.append("a chat template (chat_template.jinja or tokenizer_config.json's chat_template)")
+    if missing:
+        raise CheckpointError(f"{model_id}: {source} lacks {', '.join(missing)}; the gateway needs them")
+    return dest
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def check_hf(folder: Path) -> list[str]:
@@ -100,6 +143,7 @@ def prepare(model_id: str, dest: Path, role: str, hf: str | None = None, mlx: st
     """Put `model_id`'s folder for `role` (prefill | decode) at `dest`; verify it against the other side's folder
     (`against`, or the HF source when converting) and return both sides for the report."""
     steps = ["fetch", "convert", "verify"] if role == "decode" and bits else ["fetch", "verify"]
+    downloaded = None
     sides: list[Side] = []
     with tqdm(total=len(steps), desc=f"prepare {model_id} ({role})", unit="step") as bar:
         if role == "prefill":
@@ -110,7 +154,9 @@ def prepare(model_id: str, dest: Path, role: str, hf: str | None = None, mlx: st
         elif bits:
             if hf is None:
                 raise CheckpointError(f"{model_id}: --bits converts an HF checkpoint: pass --hf FOLDER_OR_HUB_ID")
-            src = Path(hf) if Path(hf).expanduser().is_dir() else fetch(hf, dest.with_name(dest.name + ".hf"), bar)
+            local = Path(hf).expanduser().is_dir()
+            src = Path(hf) if local else fetch(hf, dest.with_name(dest.name + ".hf"), bar)
+            downloaded = None if local else src  # removed once converted and verified: ~60 GB of bf16 for Qwen
             bar.update()
             bar.set_postfix_str(f"mlx-lm convert {bits}-bit")
             folder = convert(src, dest, bits)
@@ -130,4 +176,7 @@ def prepare(model_id: str, dest: Path, role: str, hf: str | None = None, mlx: st
         raise CheckpointError(f"{model_id}: fingerprints differ ({sides[0].fingerprint} vs {sides[1].fingerprint}): "
                               f"the two sides disagree on attention geometry or tokenizer, so KV cannot cross; "
                               f"convert the decode side from the same checkpoint\n" + "\n".join(s.line() for s in sides))
+    if role == "decode" and bits and downloaded is not None:
+        shutil.rmtree(downloaded, ignore_errors=True)
+        sides[-1].folder = Path(f"{downloaded} (removed after conversion)")
     return sides

@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="manage model folders").add_subparsers(dest="action", required=True)
     prep = models.add_parser("prepare", parents=[common], help="build the embedded models named in the config")
     prep.add_argument("--model", help="only this model id (default: every [[models]] route)")
-    prep.add_argument("--role", choices=("prefill", "decode"), help="a real checkpoint for this side (with --model)")
+    prep.add_argument("--role", choices=("prefill", "decode", "gateway"), help="a real checkpoint for this side "
+                      "(with --model); gateway: only its tokenizer, chat template and config.json, copied from --hf")
     prep.add_argument("--hf", metavar="SRC", help="HF checkpoint: a local folder or a hub id (prefill side; the "
                       "source --bits converts)")
     prep.add_argument("--mlx", metavar="SRC", help="decode side: an MLX folder or hub id, used as it is")
@@ -127,8 +128,17 @@ def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
         if not routes:
             raise ConfigError(f"--model {args.model!r} is not in [[models]] of {args.config}; "
                               f"known: {[r.id for r in settings.models]}")
-    if args.role is not None:
-        return _prepare_checkpoint(routes, args)
+    try:
+        if args.role is not None:
+            return _prepare_checkpoint(routes, args)
+        return _prepare_embedded(routes, models)
+    except OSError as e:  # e.g. /srv on macOS: a read-only system volume
+        print(f"disagg: cannot write the model folder: {e}; put [[models]] path on a writable volume the user "
+              f"owns (the seed site uses /opt/disagg/models on every machine)", file=sys.stderr)
+        return 1
+
+
+def _prepare_embedded(routes, models) -> int:
     failed = 0
     for route in routes:
         dest = resolve_model_path(route)
@@ -149,6 +159,16 @@ def _prepare_checkpoint(routes, args: argparse.Namespace) -> int:
     if args.model is None:
         raise ConfigError("--role prepares one model's checkpoint: add --model ID")
     route = routes[0]
+    if args.role == "gateway":
+        if args.hf is None:
+            raise ConfigError("--role gateway copies the tokenizer files from --hf FOLDER_OR_HUB_ID")
+        try:
+            dest = checkpoints.prepare_gateway(route.id, resolve_model_path(route), args.hf)
+        except checkpoints.CheckpointError as e:
+            print(f"disagg: {e}", file=sys.stderr)
+            return 1
+        print(f"{route.id}: gateway files ready in {dest}: {', '.join(sorted(p.name for p in dest.iterdir()))}")
+        return 0
     try:
         sides = checkpoints.prepare(route.id, resolve_model_path(route), args.role, hf=args.hf, mlx=args.mlx,
                                     bits=args.bits, against=args.against)

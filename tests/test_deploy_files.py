@@ -1,13 +1,14 @@
 """docker/: the compose file, Prometheus config and rules, Grafana provisioning and dashboard, the launchd service.
 
-Prometheus files go through promtool (installed by `make test`); the compose file, which no daemon-free tool here
-validates, through PyYAML and a check of every key and path it uses; dashboard and alert queries against the
-metric names a real gateway exports on /metrics.
+Prometheus files go through promtool, the compose file through Debian's docker-compose (`config` needs no
+daemon), both images through hadolint, the install scripts through shellcheck (`make tools` installs them); the
+dashboard and alert queries against the metric names a real gateway exports on /metrics.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import plistlib
 import re
 import shutil
@@ -32,17 +33,65 @@ def compose() -> dict:
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())
 
 
+def tool(name: str, *args: str, ok: bool = True, **kw) -> subprocess.CompletedProcess:
+    exe = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    assert exe, f"{name} is missing: `make tools` installs it"
+    r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, **kw)
+    if ok:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
 def promtool(*args: str) -> str:
-    exe = shutil.which("promtool")
-    assert exe, "promtool is missing: `make test` installs it (Debian package prometheus)"
-    r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
+    return tool("promtool", *args).stdout
+
+
+def test_compose_config_validates(tmp_path):
+    """docker-compose v1 (Debian's) parses and interpolates the file; Grafana refuses to come up without a password."""
+    env = {"PATH": os.environ["PATH"], "GRAFANA_ADMIN_PASSWORD": "s3cret", "DISAGG_UID": "1000", "DISAGG_GID": "1000"}
+    r = tool("docker-compose", "-f", str(DOCKER / "compose.yaml"), "config", cwd=tmp_path, env=env)
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "s3cret"
+    assert cfg["services"]["gateway"]["user"] == "1000:1000"
+    env.pop("GRAFANA_ADMIN_PASSWORD")
+    r = tool("docker-compose", "-f", str(DOCKER / "compose.yaml"), "config", ok=False, cwd=tmp_path, env=env)
+    assert r.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("dockerfile", ["gateway.Dockerfile", "prefill.Dockerfile"])
+def test_hadolint(dockerfile):
+    tool("hadolint", str(DOCKER / dockerfile))
+
+
+def test_shellcheck_install_scripts():
+    scripts = sorted(DOCKER.glob("*.sh"))
+    assert DOCKER / "install-mac.sh" in scripts
+    tool("shellcheck", *map(str, scripts))
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", "models", ".disagg", "docker/.env"} <= ignored
+    for df in ("gateway.Dockerfile", "prefill.Dockerfile"):  # nothing an image COPYs is ignored
+        for src in re.findall(r"^COPY (\S+)", (DOCKER / df).read_text(), re.M):
+            assert src not in ignored, (df, src)
+
+
+def test_install_mac_creates_what_launchd_needs():
+    """launchd exits 78 when the log folder is missing: the script creates it, owned by the user, and the venv the
+    plist runs."""
+    plist = plistlib.loads((DOCKER / "launchd/com.disagg.decode.plist").read_bytes())
+    script = (DOCKER / "install-mac.sh").read_text()
+    assert Path(plist["StandardOutPath"]).parent.as_posix() == "/opt/disagg/logs"
+    assert '"$PREFIX/logs"' in script and 'sudo install -d -o "$(id -un)"' in script
+    assert plist["ProgramArguments"][0] == "/opt/disagg/.venv/bin/disagg" and '-m venv "$PREFIX/.venv"' in script
+    assert "sys.version_info < (3, 11)" in script and "iogpu.wired_limit_mb" in script
 
 
 def test_compose_services_and_paths():
     c = compose()
-    assert set(c) <= {"name", "services", "volumes", "secrets", "networks"}
+    assert set(c) <= {"version", "services", "volumes", "secrets", "networks"}  # no `name:`: compose v1 refuses it
     assert set(c["services"]) == {"gateway", "prometheus", "grafana"}
     for name, svc in c["services"].items():
         assert set(svc) <= SERVICE_KEYS, (name, set(svc) - SERVICE_KEYS)
@@ -89,6 +138,24 @@ def test_prometheus_config_and_rules_validate():
     assert scrape[0]["static_configs"][0]["targets"] == ["gateway:8000"]  # the compose service name and port
 
 
+def test_prometheus_scrapes_every_node_of_the_site():
+    """One target per [[nodes]] entry of examples/site.toml at its HTTP address, labelled with its name."""
+    from kv_bridge.config import load_config
+
+    site = load_config(ROOT / "examples" / "site.toml")
+    scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    targets = {sc["labels"]["node"]: (job["job_name"], sc["targets"]) for job in scrape for sc in job["static_configs"]
+               if "node" in sc.get("labels", {})}
+    assert targets == {n.name: (f"disagg-{n.role}", [f"{n.host}:{n.port}"]) for n in site.nodes}
+    # the dashboard has panels for each node family, grouped by that label
+    assert queried_metrics("prefill") and queried_metrics("decode")
+    dash = json.loads((DOCKER / "grafana/dashboards/disagg.json").read_text())
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            if re.search(r"vllm:|disagg_decode_", t["expr"]):
+                assert "by (node" in t["expr"], (p["title"], t["expr"])
+
+
 def test_grafana_provisioning():
     ds = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
     assert ds["url"] == "http://prometheus:9090"
@@ -102,18 +169,28 @@ def test_grafana_provisioning():
         assert want in titles, want
 
 
-def queried_metrics() -> dict[str, set[str]]:
-    """Every disagg_* name a dashboard panel or an alert rule queries, with where it is used."""
+# Which process exports a queried name: the prefill node (vLLM's registry), the decode node, else the gateway.
+NODE_FAMILIES = {"prefill": "vllm:", "decode": "disagg_decode_"}
+
+
+def source(name: str) -> str:
+    return next((role for role, prefix in NODE_FAMILIES.items() if name.startswith(prefix)), "gateway")
+
+
+def queried_metrics(role: str | None = None) -> dict[str, set[str]]:
+    """Every disagg_* / vllm:* name a dashboard panel or an alert rule queries (only `role`'s, when given), with
+    where it is used."""
     where: dict[str, set[str]] = {}
     dash = json.loads((DOCKER / "grafana/dashboards/disagg.json").read_text())
     exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
     rules = yaml.safe_load((DOCKER / "prometheus/alerts.yml").read_text())["groups"][0]["rules"]
     exprs += [(r["alert"], r["expr"]) for r in rules]
     for title, expr in exprs:
-        names = re.findall(r"\bdisagg_[a-z0-9_]+", expr)
-        assert names, f"{title}: queries no disagg metric: {expr}"
+        names = re.findall(r"\b(?:disagg_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr)
+        assert names, f"{title}: queries no disagg or vllm metric: {expr}"
         for n in names:
-            where.setdefault(n, set()).add(title)
+            if role is None or source(n) == role:
+                where.setdefault(n, set()).add(title)
     return where
 
 
@@ -132,7 +209,7 @@ async def test_dashboard_queries_only_exported_metrics(cluster):
     await cluster.chat(chat_body(LONG_TEXT, max_tokens=4))  # a disaggregated request: every family has samples
     async with cluster.http.get(f"{cluster.url}/metrics") as r:
         have = exported(await r.text())
-    missing = {n: sorted(w) for n, w in queried_metrics().items() if n not in have}
+    missing = {n: sorted(w) for n, w in queried_metrics("gateway").items() if n not in have}
     assert not missing, f"queried but not exported by the gateway: {missing}"
 
 

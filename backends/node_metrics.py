@@ -1,0 +1,98 @@
+"""/metrics on both node apps: the prefill node serves vLLM's own Prometheus registry (queue, KV usage, prefix hits);
+the decode node its batch, waiting generations, tokens, KV bytes held, prefix hits and local prefills.
+
+Labels stay bounded: model ids from config.toml, a fixed set of kinds and reasons. Never request ids.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from backends.decode_node import DecodeService
+
+# Why a decode node computed a prompt itself: the gateway chose the local path (no KV asked for), or the transfer it
+# waited for failed (the protocol's fallback reasons: kv_timeout, kv_error, kv_aborted, ...).
+LOCAL_PATH = "local_path"
+
+
+def prefill_metrics_route(app: web.Application) -> None:
+    """GET /metrics: vLLM's registry as its own API server exports it (the process-wide one, or the multiprocess
+    collector when PROMETHEUS_MULTIPROC_DIR is set)."""
+    async def metrics(request: web.Request) -> web.Response:
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return web.Response(body=generate_latest(get_prometheus_registry()),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/metrics", metrics)
+
+
+class DecodeMetrics:
+    """Counters the request path increments (event loop) and gauges read from the service at scrape time."""
+
+    def __init__(self, svc: "DecodeService") -> None:
+        self.svc = svc
+        r = self.registry = CollectorRegistry()
+        self.tokens = Counter("disagg_decode_generation_tokens", "Tokens generated (rate(): tokens/s)", ["model"],
+                              registry=r)
+        self.prefix_hits = Counter("disagg_decode_prefix_hits", "Generations that reused a held prefix", ["model"],
+                                   registry=r)
+        self.prefix_tokens = Counter("disagg_decode_prefix_tokens", "Prompt tokens reused from held prefixes",
+                                     ["model"], registry=r)
+        self.local_prefills = Counter("disagg_decode_local_prefills", "Generations whose prompt this node computed "
+                                      "itself, by why (local_path or the transfer's fallback reason)",
+                                      ["model", "reason"], registry=r)
+        self.kv_bytes_received = Counter("disagg_decode_kv_received_bytes", "KV bytes received from prefill nodes",
+                                         ["model"], registry=r)
+        r.register(_Gauges(svc))
+
+    def route(self, app: web.Application) -> None:
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app.router.add_get("/metrics", metrics)
+
+    def finished(self, model: str, prefix_tokens: int, kv_tokens: int, kv_bytes: int, computed_tokens: int,
+                 fallback_reason: str | None) -> None:
+        """One generation's prompt settled: where its KV came from."""
+        if prefix_tokens:
+            self.prefix_hits.labels(model).inc()
+            self.prefix_tokens.labels(model).inc(prefix_tokens)
+        if kv_bytes:
+            self.kv_bytes_received.labels(model).inc(kv_bytes)
+        if computed_tokens > 1:  # more than the last token, which decode always runs
+            self.local_prefills.labels(model, fallback_reason or LOCAL_PATH).inc()
+
+
+class _Gauges:
+    """Gauges read at scrape time from what the MLX threads publish (plain ints) and the receiver."""
+
+    def __init__(self, svc: "DecodeService") -> None:
+        self.svc = svc
+
+    def collect(self):
+        svc = self.svc
+        batch = GaugeMetricFamily("disagg_decode_batch_size", "Generations in the MLX batch", labels=["model"])
+        waiting = GaugeMetricFamily("disagg_decode_generations_waiting", "Generations handed to the MLX thread and "
+                                    "not yet in its batch", labels=["model"])
+        kv = GaugeMetricFamily("disagg_decode_kv_bytes", "KV bytes held: the running batch's caches and the prefix "
+                               "store", labels=["model", "kind"])
+        for mid, m in svc.models.items():
+            batch.add_metric([mid], m.batch_size)
+            waiting.add_metric([mid], m.queued())
+            kv.add_metric([mid, "batch"], m.cache_bytes)
+            kv.add_metric([mid, "prefix"], m.prefixes.nbytes)
+        yield batch
+        yield waiting
+        yield kv
+        yield GaugeMetricFamily("disagg_decode_requests_running", "Requests in /v1/generate (waiting for KV, queued "
+                                "or generating)", value=svc.running)
+        yield GaugeMetricFamily("disagg_decode_kv_transfers", "KV transfers registered and not yet settled",
+                                value=len(svc.receiver.transfers))
+        yield GaugeMetricFamily("disagg_decode_kv_inflight_bytes", "In-flight KV reserved (as float32) against "
+                                "kv.max_inflight_bytes", value=svc.receiver.inflight_bytes)
