@@ -18,6 +18,7 @@ from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 from gateway import auth
 from gateway.api import boundary
 from gateway.api.ollama import routes as ollama
+from gateway.api.openai.responses import serving as responses
 from gateway.auth import APIKeys
 from gateway.api.openai.chat import STATE, GatewayState, chat_completions
 from gateway.api.openai.completions import completions
@@ -94,6 +95,7 @@ def _openai_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
     app.router.add_post("/completions", completions)
     app.router.add_get("/models", list_models)
     app.router.add_get("/models/{model:.+}", get_model)  # ids may hold slashes (aliases)
+    responses.add_routes(app)
     return app
 
 

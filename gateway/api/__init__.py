@@ -1,2 +1,2 @@
-"""Client-facing APIs: one module group per API family (openai/, ollama/), the error/key boundary of each app,
-and what every handler shares (serving.py: state, metrics wrapper, `run`; relay.py: generations -> a client)."""
+"""Client-facing APIs: each API family parses its requests and frames its answers; all of them end in the one
+orchestrator and relay."""
