@@ -18,6 +18,7 @@ from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 from gateway import auth
 from gateway.api import boundary
 from gateway.api.ollama import routes as ollama
+from gateway.api.anthropic import serving as anthropic
 from gateway.api.openai.responses import serving as responses
 from gateway.auth import APIKeys
 from gateway.api.openai.chat import STATE, GatewayState, chat_completions
@@ -126,6 +127,8 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", ollama.root)  # Ollama's liveness probe; add_get answers HEAD too
+    # Before /v1: the longer prefix resolves first, so Anthropic's routes answer in Anthropic's shape.
+    app.add_subapp("/v1/messages", anthropic.api_app(state, keys))
     app.add_subapp("/v1", _openai_app(state, keys))
     app.add_subapp("/api", ollama.api_app(state, keys))
     return app

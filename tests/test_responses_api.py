@@ -135,3 +135,20 @@ async def test_errors_in_openai_shape(local_cluster):
             await client.responses.create(**{"model": MODEL_ID, "input": "hi", **bad})
         assert e.value.status_code in (400, 404) and e.value.body["param"] == param, (bad, e.value.body)
     await client.close()
+
+
+async def test_text_format_and_reasoning_effort(tmp_path, empty_config):
+    """text.format json_schema becomes the decode node's grammar; reasoning.effort reaches the harmony template."""
+    c = await _cluster(tmp_path, "gpt_oss", HARMONY_CALL)
+    try:
+        client = _client(c)
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        await client.responses.create(model=MODEL_ID, input="hi", max_output_tokens=20, reasoning={"effort": "high"},
+                                      text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                       "strict": True}})
+        sent = c.decode.requests[-1]
+        assert sent["grammar"]["schema"] == schema
+        assert "Reasoning: high" in c.decode.tok.decode(sent["token_ids"], skip_special_tokens=False)
+        await client.close()
+    finally:
+        await c.stop()
