@@ -159,6 +159,10 @@ async def test_output_config_format_and_effort(tmp_path, empty_config):
         await client.messages.create(model=MODEL_ID, max_tokens=20, messages=QUESTION,
                                      thinking={"type": "disabled"})  # harmony cannot stop reasoning: low
         assert "Reasoning: low" in c.decode.tok.decode(c.decode.requests[-1]["token_ids"], skip_special_tokens=False)
+        await client.messages.create(model=MODEL_ID, max_tokens=5, messages=QUESTION,
+                                     extra_body={"temperature": 0.5, "seed": 7, "logit_bias": {"11": 5}})
+        sent = c.decode.requests[-1]
+        assert (sent["seed"], sent["logit_bias"], sent["temperature"]) == (7, {"11": 5.0}, 0.5)
         await client.close()
     finally:
         await c.stop()

@@ -149,6 +149,11 @@ async def test_text_format_and_reasoning_effort(tmp_path, empty_config):
         sent = c.decode.requests[-1]
         assert sent["grammar"]["schema"] == schema
         assert "Reasoning: high" in c.decode.tok.decode(sent["token_ids"], skip_special_tokens=False)
+        # vLLM's extra sampling fields ride in the body, as the SDK's extra_body sends them.
+        await client.responses.create(model=MODEL_ID, input="hi", max_output_tokens=5, temperature=0.5,
+                                      extra_body={"seed": 7, "top_k": 3, "logit_bias": {"11": 5}})
+        sent = c.decode.requests[-1]
+        assert (sent["seed"], sent["top_k"], sent["logit_bias"], sent["temperature"]) == (7, 3, {"11": 5.0}, 0.5)
         await client.close()
     finally:
         await c.stop()

@@ -18,6 +18,10 @@ from gateway.text.tokenizer import ChatTokenizer
 from gateway.text.toolcalls.forced import forced_call_grammar
 from gateway.cluster.upstream import Prompt, UpstreamInput
 
+# Sampling fields beyond an API's own, taken as vLLM's servers take them (clients send them as extra body).
+EXTRA_SAMPLING = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "logit_bias")
+
 
 @dataclass
 class ChatJob:

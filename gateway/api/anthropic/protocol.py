@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.api.chat_job import EXTRA_SAMPLING
 from gateway.errors import InvalidRequest
 from gateway.api.openai.protocol import ChatRequest, parse_chat_request
 
@@ -179,4 +180,5 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k)
+        body.update({k: v for k, v in (req.model_extra or {}).items() if k in EXTRA_SAMPLING and k != "stop"})
     return parse_chat_request({k: v for k, v in body.items() if v is not None})

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.api.chat_job import EXTRA_SAMPLING
 from gateway.errors import InvalidRequest
 from gateway.api.openai.protocol import ChatRequest, parse_chat_request
 
@@ -154,4 +155,5 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
             "tool_choice": chat_tool_choice(req.tool_choice), "max_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "response_format": _response_format(req.text),
             "reasoning_effort": req.effort()}
+    body.update({k: v for k, v in (req.model_extra or {}).items() if k in EXTRA_SAMPLING})
     return parse_chat_request({k: v for k, v in body.items() if v is not None})
