@@ -41,6 +41,9 @@ async def test_text_answer_with_usage_headers_and_metrics(local_cluster):
     # Cut off by max_output_tokens: incomplete, as OpenAI reports it.
     r = await client.responses.create(model=MODEL_ID, input="hi", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    async with client.responses.stream(model=MODEL_ID, input="hi", max_output_tokens=3) as stream:
+        final = await stream.get_final_response()
+    assert final.status == "incomplete" and final.output_text == c.decode.reply_text(3)
     await client.close()
 
 

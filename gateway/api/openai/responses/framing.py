@@ -124,9 +124,8 @@ class ResponsesFraming(Framing):
         return self._events(self.blocks.finish(done.finish_reason == "stop")) or None
 
     def closing(self, dones: list[DoneLine]) -> list[list[dict]]:
-        body = self._finished(dones[0])
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return [[self._event(kind, response=body)]]
+        # Cut off too (status "incomplete" inside), as vLLM does: the SDK's stream helper ends on this event only.
+        return [[self._event("response.completed", response=self._finished(dones[0]))]]
 
     def error(self, err: APIError) -> list[list[dict]]:
         return [[self._event("error", code=err.code or err.type, message=err.message, param=err.param)]]
