@@ -166,3 +166,14 @@ async def test_output_config_format_and_effort(tmp_path, empty_config):
         await client.close()
     finally:
         await c.stop()
+
+
+async def test_a_failure_mid_stream_ends_in_an_error_event(local_cluster):
+    c = local_cluster
+    c.decode.mode = "fail_mid_stream"
+    client = _client(c)
+    with pytest.raises(anthropic.APIStatusError) as e:
+        async with client.messages.stream(model=MODEL_ID, max_tokens=50, messages=QUESTION) as stream:
+            await stream.get_final_message()
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+    await client.close()

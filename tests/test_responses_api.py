@@ -160,3 +160,14 @@ async def test_text_format_and_reasoning_effort(tmp_path, empty_config):
         await client.close()
     finally:
         await c.stop()
+
+
+async def test_a_failure_mid_stream_ends_in_an_error_event(local_cluster):
+    c = local_cluster
+    c.decode.mode = "fail_mid_stream"
+    async with c.http.post(c.url + "/v1/responses", json={"model": MODEL_ID, "input": "hi", "stream": True}) as r:
+        status, raw = r.status, (await r.read()).decode()
+    assert status == 200  # the headers went out before the failure
+    last = json.loads(raw.strip().split("\n\n")[-1].split("data: ", 1)[1])
+    assert last["type"] == "error" and last["code"] and last["message"]
+    assert "response.completed" not in raw
