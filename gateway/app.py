@@ -15,9 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 
-from gateway import auth, tokenization
-from gateway.api import boundary
+from gateway import auth
+from gateway.api import boundary, tokenization
 from gateway.api.ollama import routes as ollama
+from gateway.api.anthropic import serving as anthropic
+from gateway.api.openai.responses import serving as responses
 from gateway.auth import APIKeys
 from gateway.api.openai.chat import STATE, GatewayState, chat_completions
 from gateway.api.openai.completions import completions
@@ -94,6 +96,7 @@ def _openai_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
     app.router.add_post("/completions", completions)
     app.router.add_get("/models", list_models)
     app.router.add_get("/models/{model:.+}", get_model)  # ids may hold slashes (aliases)
+    responses.add_routes(app)
     return app
 
 
@@ -125,6 +128,8 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", ollama.root)  # Ollama's liveness probe; add_get answers HEAD too
     tokenization.add_routes(app)  # vLLM's /tokenize and /detokenize live at the root, as in vLLM
+    # Before /v1: the longer prefix resolves first, so Anthropic's routes answer in Anthropic's shape.
+    app.add_subapp("/v1/messages", anthropic.api_app(state, keys))
     app.add_subapp("/v1", _openai_app(state, keys))
     app.add_subapp("/api", ollama.api_app(state, keys))
     return app

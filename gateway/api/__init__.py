@@ -1,2 +1,3 @@
-"""Client-facing APIs: one module group per API family (openai/, ollama/), the error/key boundary of each app,
-and what every handler shares (serving.py: state, metrics wrapper, `run`; relay.py: generations -> a client)."""
+"""Client-facing APIs, one module group per API family (openai/, ollama/, anthropic/; vLLM's tokenization.py), each
+parsing its requests and framing its answers; all of them end in the one orchestrator and relay (serving.py,
+relay.py), behind each app's error and key boundary (boundary.py)."""

@@ -22,7 +22,7 @@ from kv_bridge.protocol import Sampling, json_grammar
 
 from gateway.api.openai.chat import GatewayState
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
-from gateway.history import template_messages
+from gateway.text.history import template_messages
 from gateway.text.output import OutputParser, tool_parser_name
 from gateway.text.reasoning import parser_name, template_kwargs
 from gateway.cluster.upstream import UpstreamInput
@@ -325,7 +325,7 @@ _HISTORY_FIELDS = ("thinking", "tool_calls", "tool_name")  # Ollama's message fi
 
 def _message(m: ChatMessage) -> dict:
     """A chat message as Ollama takes it: an assistant's thinking and tool_calls (their arguments are objects) and
-    a tool result's tool_name go along; gateway.history maps them to what templates read."""
+    a tool result's tool_name go along; gateway.text.history maps them to what templates read."""
     extra = m.model_extra or {}
     return {"role": m.role, "content": m.content or "",
             **{k: extra[k] for k in _HISTORY_FIELDS if extra.get(k) is not None}}

@@ -1,1 +1,2 @@
-"""OpenAI's API: /v1/chat/completions, /v1/completions; request models (protocol.py) and response shapes (render.py)."""
+"""OpenAI's APIs: /v1/chat/completions, /v1/completions (protocol.py: requests; render.py: answers) and
+/v1/responses (responses/)."""

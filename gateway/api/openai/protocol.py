@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kv_bridge.protocol import json_grammar
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.history import template_messages
+from gateway.text.history import template_messages
 from gateway.text.toolcalls.forced import allowed_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's own default (vLLM's too)
@@ -172,7 +172,7 @@ class ChatRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def messages_as_dicts(self) -> list[dict]:
-        """The messages for the chat template (gateway.history: reasoning under every name templates read, tool
+        """The messages for the chat template (gateway.text.history: reasoning under every name templates read, tool
         call arguments as objects)."""
         return template_messages([m.model_dump(exclude_none=False) for m in self.messages])
 

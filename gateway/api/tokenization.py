@@ -11,7 +11,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import InvalidRequest
-from gateway.history import template_messages
+from gateway.text.history import template_messages
 from gateway.api.openai.protocol import Message, parse_model
 from gateway.api.serving import STATE, GatewayState, read_body
 from gateway.text.tokenizer import ChatTokenizer

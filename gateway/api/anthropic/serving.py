@@ -1,0 +1,46 @@
+"""POST /v1/messages and /v1/messages/count_tokens: translate, run through the chat path's orchestrator and relay,
+answer as an Anthropic `message` (gateway.api.anthropic.framing); `api_app` is the sub-app at /v1/messages."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.api.blocks import Blocks
+from gateway.api.chat_job import encode, prepare
+from gateway.auth import APIKeys
+from gateway.metrics import RequestRecord
+from gateway.api.serving import STATE, GatewayState, endpoint, read_body, run
+
+from gateway.api.anthropic import errors
+from gateway.api.anthropic.framing import AnthropicFraming
+from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request, parse
+
+
+async def _messages(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
+    req = parse(MessagesRequest, await read_body(request))
+    chat = chat_request(req)
+    rec.model = st.route(chat.model).id
+    job = await prepare(st, chat, req.think())
+    blocks = Blocks(job.reasoning, job.tools, chat.tools)
+    framing = AnthropicFraming(req.model, blocks, len(job.prompt.ids), chat.stop_list(), job.tok.decode)
+    return await run(request, st, rec, job.route, job.prompt, job.sampling, 1, bool(req.stream), framing)
+
+
+messages = endpoint(_messages)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's length as the model's template and tokenizer make it; nothing is generated."""
+    st = request.app[STATE]
+    req = parse(CountTokensRequest, await read_body(request))
+    _, ids = await encode(st, chat_request(req), req.think())
+    return web.json_response({"input_tokens": len(ids)})
+
+
+def api_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
+    """The Messages API, mounted at /v1/messages, with Anthropic's error shape and key headers."""
+    app = web.Application(middlewares=errors.middlewares(keys))
+    app[STATE] = st
+    app.router.add_post("", messages)
+    app.router.add_post("/count_tokens", count_tokens)
+    return app
