@@ -13,8 +13,8 @@ import pytest
 from stack import MODEL_ID, Stack
 from tiny_models import build_family
 
-openai = pytest.importorskip("openai")
-anthropic = pytest.importorskip("anthropic")
+import openai
+import anthropic
 pytestmark = pytest.mark.e2e
 
 SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},

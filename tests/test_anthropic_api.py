@@ -9,7 +9,7 @@ import pytest
 from fakes import MODEL_ID, REPLY, Cluster
 from test_toolcalls_api import ARGS, HARMONY_CALL, QWEN_CALL, _cluster
 
-anthropic = pytest.importorskip("anthropic")
+import anthropic
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -51,7 +51,7 @@ def as_published(arguments) -> list[dict]:
 
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
 async def test_openai_reasoning_of_a_tool_call_turn_reaches_the_template(gpt_oss, field):
-    openai = pytest.importorskip("openai")
+    import openai
     client = openai.AsyncOpenAI(base_url=gpt_oss.url + "/v1", api_key="unused")
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     turn = [*FIRST, {"role": "assistant", "content": None, field: ANALYSIS, "tool_calls": [call]},
@@ -62,7 +62,7 @@ async def test_openai_reasoning_of_a_tool_call_turn_reaches_the_template(gpt_oss
 
 
 async def test_ollama_thinking_and_tool_name_reach_the_template(gpt_oss):
-    ollama = pytest.importorskip("ollama")
+    import ollama
     oc = ollama.AsyncClient(host=gpt_oss.url)
     turn = [*FIRST, ollama.Message(role="assistant", content="", thinking=ANALYSIS, tool_calls=[
         ollama.Message.ToolCall(function=ollama.Message.ToolCall.Function(name="get_weather",
@@ -95,7 +95,7 @@ async def test_reasoning_effort_as_vllm_takes_it(gpt_oss, effort, rendered):
 async def test_without_max_tokens_a_long_analysis_still_answers(tmp_path, empty_config):
     """The SDK sends no max_tokens; gpt-oss reasons past 256 tokens and still answers, and `parse()` (which raises
     on finish_reason "length") reads the answer."""
-    openai = pytest.importorskip("openai")
+    import openai
     folder = write_family_tokenizer(tmp_path / "gpt_oss", "gpt_oss")
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
     c = await Cluster(n_prefill=0, model_dir=folder).start()
@@ -116,7 +116,7 @@ async def test_without_max_tokens_a_long_analysis_still_answers(tmp_path, empty_
 async def test_parallel_calls_answer_null_content(tmp_path, empty_config):
     """qwen3-coder writes a newline between and after parallel calls; OpenAI's answer to a call-only turn has
     content null, and no stream delta carries that whitespace."""
-    openai = pytest.importorskip("openai")
+    import openai
     folder = write_family_tokenizer(tmp_path / "qwen3_moe", "qwen3_moe")
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     c = await Cluster(n_prefill=0, model_dir=folder).start()
@@ -143,7 +143,7 @@ async def test_parallel_calls_answer_null_content(tmp_path, empty_config):
 
 async def test_ollama_thinking_reaches_a_qwen3_template_as_reasoning_content(tmp_path, empty_config):
     """Qwen3's published template reads `reasoning_content`: Ollama's `thinking` of a tool-call turn gets there."""
-    ollama = pytest.importorskip("ollama")
+    import ollama
     folder = write_family_tokenizer(tmp_path / "qwen3", "qwen3_moe", template="qwen3.jinja")
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     c = await Cluster(n_prefill=0, model_dir=folder).start()

@@ -32,7 +32,7 @@ def oss(tmp_path_factory):
 
 
 def test_ollama_format_json_thinks_first_then_answers_json(oss):
-    ollama = pytest.importorskip("ollama")
+    import ollama
     client = ollama.Client(host=oss.url("gateway"), timeout=300)
     order, thinking, response = [], "", ""
     for part in client.generate(MODEL_ID, prompt=MESSAGES[0]["content"], format="json", stream=True,
@@ -53,7 +53,7 @@ def test_ollama_format_json_thinks_first_then_answers_json(oss):
 
 
 def test_openai_response_format_streams_reasoning_then_json(oss):
-    openai = pytest.importorskip("openai")
+    import openai
     client = openai.OpenAI(base_url=oss.url("gateway") + "/v1", api_key="unused", timeout=300)
     fmt = {"type": "json_schema", "json_schema": {"name": "grade", "schema": SCHEMA, "strict": True}}
     stream = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, response_format=fmt, stream=True,

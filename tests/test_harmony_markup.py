@@ -29,7 +29,7 @@ OUTPUTS = {
 
 @pytest.fixture(scope="module")
 def harmony():
-    oh = pytest.importorskip("openai_harmony")
+    import openai_harmony as oh
     enc = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
 
     def parse(text: str):

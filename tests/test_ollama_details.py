@@ -10,7 +10,7 @@ import pytest
 from fakes import MODEL_ID, Cluster
 from tiny_models import write_family_tokenizer
 
-ollama = pytest.importorskip("ollama")
+import ollama
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

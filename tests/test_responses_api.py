@@ -11,7 +11,7 @@ import pytest
 from fakes import MODEL_ID, REPLY, Cluster
 from test_toolcalls_api import ARGS, HARMONY_CALL, QWEN_CALL, _cluster
 
-openai = pytest.importorskip("openai")
+import openai
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -11,7 +11,7 @@ from fakes import MODEL_DIR, MODEL_ID, Cluster
 from family_streams import family_tokenizers
 from tiny_models import write_family_tokenizer
 
-vllm_tokenize = pytest.importorskip("vllm.entrypoints.serve.tokenize.protocol")
+import vllm.entrypoints.serve.tokenize.protocol as vllm_tokenize
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -78,7 +78,7 @@ async def test_prompt_and_detokenize_as_transformers(local_cluster):
     ("/detokenize", {"model": MODEL_ID, "tokens": "12"}, 400, "tokens"),
 ])
 async def test_bad_requests_answer_in_openai_shape(local_cluster, path, payload, status, param):
-    openai = pytest.importorskip("openai")
+    import openai
     got, _, out = await local_cluster.post(path, payload)
     assert got == status, out
     err = openai.types.ErrorObject.model_validate(out["error"])

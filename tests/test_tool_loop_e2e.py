@@ -51,7 +51,7 @@ def loop(tmp_path_factory):
 
 def step_one(s: Stack, folder) -> dict:
     """Step 1 through the openai client: the assistant message it returns, as a client appends it to history."""
-    openai = pytest.importorskip("openai")
+    import openai
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -89,7 +89,7 @@ def check_prompt(proxy: RecordingProxy, folder, analysis: str, call: dict) -> No
 
 def test_openai_tool_loop_sends_the_analysis_back(loop):
     s, proxy, folder = loop
-    openai = pytest.importorskip("openai")
+    import openai
     msg = step_one(s, folder)
     call = msg["tool_calls"][0]
     client = openai.OpenAI(base_url=s.url("gateway") + "/v1", api_key="unused")
@@ -102,7 +102,7 @@ def test_openai_tool_loop_sends_the_analysis_back(loop):
 
 def test_ollama_tool_loop_sends_the_thinking_back(loop):
     s, proxy, folder = loop
-    ollama = pytest.importorskip("ollama")
+    import ollama
     msg = step_one(s, folder)
     call = msg["tool_calls"][0]
     fn = call["function"]

@@ -59,7 +59,7 @@ async def upstream(request, tmp_path, empty_config):
 
 
 async def test_openai_answer_keeps_upstream_reasoning(upstream):
-    openai = pytest.importorskip("openai")
+    import openai
     client = openai.AsyncOpenAI(base_url=upstream.url + "/v1", api_key="unused")
     msgs = [{"role": "user", "content": "Capital of France?"}]
     try:
@@ -78,7 +78,7 @@ async def test_openai_answer_keeps_upstream_reasoning(upstream):
 
 
 async def test_ollama_answer_keeps_upstream_thinking(upstream):
-    ollama = pytest.importorskip("ollama")
+    import ollama
     r = await ollama.AsyncClient(host=upstream.url).chat(MODEL_ID, messages=[{"role": "user", "content": "hi"}])
     assert (r.message.thinking.strip(), r.message.content) == (REASONING, ANSWER)
     sent = upstream.upstream.requests[-1]["messages"]
