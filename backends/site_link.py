@@ -18,33 +18,36 @@ from aiohttp import web
 from kv_bridge.config import NodeConfig, Settings, load_config
 
 log = logging.getLogger("disagg.site_link")
-CHUNK = 64 << 10
+CHUNK = 32 << 10  # a frame's last chunk crosses unpaced: 32 KiB of a 1 MB frame is 3%
 
 
-class TokenBucket:
-    """Shared by every connection of one link, as a NIC's rate is: two transfers at once share it."""
+class Pacer:
+    """Paces bytes at `rate` on a virtual clock, shared by every connection of one link as a NIC's rate is. Each
+    chunk is due when the ones before it would have crossed; a timer that wakes late (asyncio sleeps are ~1 ms
+    coarse) is made up by the next chunks, and a link idle for IDLE_S starts afresh: no burst saved up between
+    frames, so a frame crosses at the rate from its first chunk on."""
 
-    def __init__(self, rate: float | None, burst: int):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.t = float(burst), time.monotonic()
+    IDLE_S = 0.005
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self.due = time.monotonic()
 
     async def take(self, n: int) -> None:
         if self.rate is None:
             return
-        while True:
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
-            self.t = now
-            if self.tokens >= n:
-                self.tokens -= n
-                return
-            await asyncio.sleep((n - self.tokens) / self.rate)
+        now = time.monotonic()
+        if now - self.due > self.IDLE_S:
+            self.due = now
+        due, self.due = self.due, self.due + n / self.rate
+        if due > now:
+            await asyncio.sleep(due - now)
 
 
 class Link:
-    def __init__(self, node: NodeConfig, rate: float | None, burst: int):
+    def __init__(self, node: NodeConfig, rate: float | None):
         self.node = node
-        self.bucket = TokenBucket(rate, burst)
+        self.pacer = Pacer(rate)
         self.up = True
         self.bytes = 0
         self.cuts = 0
@@ -69,12 +72,10 @@ class Link:
                 w.transport.abort()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shaped: bool) -> None:
-        # Chunks no larger than the bucket, so a frame crosses at the rate instead of in one burst.
-        size = min(CHUNK, self.bucket.burst)
         try:
-            while data := await reader.read(size):
+            while data := await reader.read(CHUNK):  # small chunks: a frame crosses at the rate, not in one burst
                 if shaped:
-                    await self.bucket.take(len(data))
+                    await self.pacer.take(len(data))
                     self.bytes += len(data)
                 if writer.transport.is_closing():
                     return
@@ -99,7 +100,7 @@ class Link:
         return n
 
     def state(self) -> dict:
-        return {"node": self.node.name, "up": self.up, "rate_bytes_per_s": self.bucket.rate, "bytes": self.bytes,
+        return {"node": self.node.name, "up": self.up, "rate_bytes_per_s": self.pacer.rate, "bytes": self.bytes,
                 "connections": len(self.conns) // 2, "cuts": self.cuts}
 
 
@@ -124,7 +125,7 @@ def control_app(link: Link) -> web.Application:
                 raise ValueError
         except (KeyError, ValueError):
             return web.json_response({"error": "bytes_per_s must be a positive number"}, status=400)
-        link.bucket.rate = value
+        link.pacer.rate = value
         return web.json_response(link.state())
 
     app = web.Application()
@@ -143,7 +144,7 @@ def link_node(settings: Settings, name: str) -> NodeConfig:
 
 
 async def run(settings: Settings, node: NodeConfig) -> None:
-    link = Link(node, settings.site.link_bytes_per_s, settings.site.link_burst_bytes)
+    link = Link(node, settings.site.link_bytes_per_s)
     host, port = node.kv_target["host"], node.kv_target["port"]
     server = await asyncio.start_server(link.handle, host, port, reuse_address=True)
     runner = web.AppRunner(control_app(link), access_log=None)

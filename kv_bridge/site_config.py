@@ -14,8 +14,6 @@ class SiteConfig(BaseModel):
 
     link_bytes_per_s: float | None = Field(default=None, gt=0, description="KV link rate of every relay, bytes/s "
                                            "(None: relays forward unshaped)")
-    link_burst_bytes: int = Field(default=65536, ge=4096, description="token bucket depth: the most bytes a relay "
-                                  "sends at once above the rate")
     control_port: int = Field(default=8300, ge=1, le=65535, description="each relay's HTTP control port on its "
                               "kv_advertise_host: GET /health, POST /cut, POST /restore")
     state_dir: str = Field(default=".disagg/site", description="keys, secret, logs and site models; relative to "

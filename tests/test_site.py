@@ -68,7 +68,7 @@ async def relay():
     echo = await asyncio.start_server(_echo, "127.0.0.1", 0)
     port = echo.sockets[0].getsockname()[1]
     node = NodeConfig(name="mac-0", role="decode", port=1, kv_host="127.0.0.1", kv_port=port)
-    link = Link(node, rate=None, burst=65536)
+    link = Link(node, rate=None)
     front = await asyncio.start_server(link.handle, "127.0.0.1", 0)
     from aiohttp.test_utils import TestClient, TestServer
 
@@ -115,4 +115,4 @@ async def test_cut_drops_live_connections_and_refuses_new_ones_until_restored(re
 async def test_rate_control_refuses_nonsense(relay):
     link, _, client = relay
     assert (await client.post("/rate?bytes_per_s=-1")).status == 400
-    assert (await client.post("/rate?bytes_per_s=5e6")).status == 200 and link.bucket.rate == 5e6
+    assert (await client.post("/rate?bytes_per_s=5e6")).status == 200 and link.pacer.rate == 5e6
