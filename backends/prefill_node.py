@@ -29,7 +29,7 @@ def engine_args(settings: Settings, route: ModelRoute):
 
     from kv_bridge.families import vllm_hf_overrides
 
-    path = resolve_model_path(route)
+    path = _path(route)
     return AsyncEngineArgs(
         model=str(path),
         hf_overrides=vllm_hf_overrides(path),  # e.g. gpt-oss yarn: compute the rope mlx-lm computes
@@ -50,6 +50,10 @@ def engine_args(settings: Settings, route: ModelRoute):
             kv_connector_extra_config=connector_config(settings),
         ),
     )
+
+
+def _path(route: ModelRoute):
+    return resolve_model_path(route, role="prefill")  # vLLM's checkpoint: prefill_path where set
 
 
 def enforce_eager(settings: Settings) -> bool:
@@ -95,8 +99,8 @@ class PrefillService:
 
     def health(self) -> dict:
         return {"role": "prefill", "models": list(self.routes),
-                "fingerprint": {m: model_fingerprint(str(resolve_model_path(r))) for m, r in self.routes.items()},
-                "quantization": {m: model_quantization(resolve_model_path(r)) for m, r in self.routes.items()}}
+                "fingerprint": {m: model_fingerprint(str(_path(r))) for m, r in self.routes.items()},
+                "quantization": {m: model_quantization(_path(r)) for m, r in self.routes.items()}}
 
     def _engine(self, body: dict):
         mid = body.get("model")

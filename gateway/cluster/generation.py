@@ -190,7 +190,7 @@ class Generation:
             if self.prefill is not None:
                 self._rates.observe_link(self.prefill.name, self.decode.name, d.kv_bytes, d.kv_link_s)
         elif d.computed_tokens >= _MIN_LOCAL_SAMPLE and d.ttft_s > 0:
-            self._rates.observe_local(self.decode.name, d.computed_tokens, d.ttft_s)
+            self._rates.observe_local(self.decode.name, d.computed_tokens, d.ttft_s, self.route.id)
 
     def _parse(self, kind, msg: dict):
         """A protocol line (TokenLine or DoneLine); a malformed one fails the stream like a broken node."""

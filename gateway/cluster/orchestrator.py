@@ -78,7 +78,7 @@ class Orchestrator:
         others = max(0, decode.inflight - leased)
         priced = [(self.rates.costs(node.name, decode.name, kv_tokens, tokens_ahead=self.admission.node(
             node.name).tokens_ahead, batch_tokens=decode.local_tokens, others=others, arriving=decode.waiting,
-            kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0))), node)
+            kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0)), model=route.id), node)
             for node in self.pool.available(route.prefill, exclude)]
         if not priced:
             return None

@@ -83,8 +83,11 @@ class Rates:
     def prefill_rate(self, node: str) -> Rate:
         return self._rate(self.prefill, node, self.cfg.prefill_tokens_per_s, node)
 
-    def local_rate(self, node: str) -> Rate:
-        return self._rate(self.local, node, self.cfg.local_prefill_tokens_per_s, node)
+    def local_rate(self, node: str, model: str | None = None) -> Rate:
+        # Per model too: a decode node serving two models prefills each at its own speed (a tiny model's fast local
+        # prefills must not price a large one's).
+        key = node if model is None else f"{node}/{model}"
+        return self._rate(self.local, key, self.cfg.local_prefill_tokens_per_s, node)
 
     def link_rate(self, prefill: str, decode: str) -> Rate:
         return self._rate(self.link, (prefill, decode), self.cfg.link_bytes_per_s)
@@ -109,9 +112,9 @@ class Rates:
         if tokens > 0 and nbytes > 0:
             self.kv_bytes_per_token[model] = nbytes / tokens
 
-    def observe_local(self, node: str, tokens: int, seconds: float) -> None:
-        """A decode node prefilled `tokens` itself in `seconds`."""
-        self.local_rate(node).observe(tokens, seconds)
+    def observe_local(self, node: str, tokens: int, seconds: float, model: str | None = None) -> None:
+        """A decode node prefilled `tokens` of `model` itself in `seconds`."""
+        self.local_rate(node, model).observe(tokens, seconds)
 
     def observe_link(self, prefill: str, decode: str, nbytes: int, seconds: float) -> None:
         """`nbytes` of KV went from `prefill` to `decode` in `seconds` of link time: the decode node's time mid-frame
@@ -138,12 +141,12 @@ class Rates:
         transfer = prompt_tokens * kv_bytes_per_token / self.link_rate(prefill, decode).value
         return compute + transfer
 
-    def local_ttft(self, decode: str, prompt_tokens: int, batch_tokens: int = 0) -> float:
+    def local_ttft(self, decode: str, prompt_tokens: int, batch_tokens: int = 0, model: str | None = None) -> float:
         """Prefilling on the decode node: this prompt plus the prompt tokens already in its batch, at its rate."""
-        return (batch_tokens + prompt_tokens) / self.local_rate(decode).value
+        return (batch_tokens + prompt_tokens) / self.local_rate(decode, model).value
 
     def local_stall(self, prefill: str | None, decode: str, prompt_tokens: int, *, others: int = 0,
-                    arriving: int = 0, tokens_ahead: int = 0) -> float:
+                    arriving: int = 0, tokens_ahead: int = 0, model: str | None = None) -> float:
         """Seconds a local prefill of this prompt adds to the decode node's other generations, summed.
 
         It runs for T = prompt tokens / the local rate. The `others` already on the node (decoding, or with KV on the
@@ -151,19 +154,20 @@ class Rates:
         wait only if their KV lands within T: the share of the prefill queue that the node clears in T, each of them
         T/2 on average.
         """
-        t = prompt_tokens / self.local_rate(decode).value
+        t = prompt_tokens / self.local_rate(decode, model).value
         share = 1.0
         if prefill is not None and tokens_ahead > 0:
             share = min(1.0, t * self.prefill_rate(prefill).value / tokens_ahead)
         return t * (others + arriving * share / 2)
 
     def costs(self, prefill: str | None, decode: str, prompt_tokens: int, *, tokens_ahead: int = 0,
-              batch_tokens: int = 0, others: int = 0, arriving: int = 0, kv_bytes_per_token: int = 0) -> PathCosts:
+              batch_tokens: int = 0, others: int = 0, arriving: int = 0, kv_bytes_per_token: int = 0,
+              model: str | None = None) -> PathCosts:
         disagg = None if prefill is None else self.disaggregated_ttft(
             prefill, decode, prompt_tokens, tokens_ahead, kv_bytes_per_token)
         stall = self.local_stall(prefill, decode, prompt_tokens, others=others, arriving=arriving,
-                                 tokens_ahead=tokens_ahead)
-        return PathCosts(disagg, self.local_ttft(decode, prompt_tokens, batch_tokens), stall)
+                                 tokens_ahead=tokens_ahead, model=model)
+        return PathCosts(disagg, self.local_ttft(decode, prompt_tokens, batch_tokens, model), stall)
 
 
 def choose_path(costs: PathCosts, kv_tokens: int, min_disagg_tokens: int) -> str:

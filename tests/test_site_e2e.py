@@ -1,0 +1,297 @@
+"""The seed site on this machine, as `make site` runs it (examples/site-local.toml, backends/site.py): two prefill
+machines with one model each, two decode machines with both, auth on, KV through shaped link relays. One site for
+the module; tests that kill a machine or cut a link wait for it to come back before they end.
+
+Run under the heavy lock: `flock /tmp/disagg-heavy.lock .venv/bin/python -m pytest -q tests/test_site_e2e.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "site-local.toml"
+SMOL, OSS = "smollm2:135m", "gpt-oss:tiny"
+GATEWAY = "http://127.0.0.1:8000"
+ROLES = ["spark-0", "spark-1", "mac-0", "mac-1", "link-mac-0", "link-mac-1", "gateway"]
+RUBRIC = ("You grade a student's notebook against the rubric. Answer with pure JSON only: "
+          '{"score": <0-10>, "comment": "<one short sentence>"}.\nRubric: correctness, clarity, tests.\nNotebook:\n')
+CELL = ("def mean(xs):\n    # average of a list of numbers, checked against numpy in the next cell\n"
+        "    return sum(xs) / len(xs)\n\nassert mean([1, 2, 3]) == 2\nprint('cell ok', mean([4, 5, 6]))\n\n")
+
+
+def notebook(cells: int, tag: str) -> str:
+    """A grading prompt: the rubric and a notebook of `cells` cells (about 55 tokens each), unique per tag."""
+    return RUBRIC + f"# student {tag}\n" + CELL * cells
+
+
+class Site:
+    """`python -m backends.site` as a user starts it; Ctrl-C (SIGINT) stops it."""
+
+    def __init__(self, folder: Path):
+        from kv_bridge.config import load_config
+
+        self.log = folder / "site.out"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, "-m", "backends.site", "--config", str(CONFIG)], cwd=ROOT,
+                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.t0 = time.monotonic()
+        self.ready_s = self._wait_output("disagg up: ready", 900)
+        self.settings = load_config(CONFIG)
+        self.key = self.settings.auth.client_keys()[0]
+
+    def _wait_output(self, text: str, timeout: float, after: int = 0) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if text in self.output()[after:]:
+                return time.monotonic() - self.t0
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the site exited ({self.proc.returncode}):\n{self.output()[-4000:]}")
+            time.sleep(0.5)
+        raise AssertionError(f"no {text!r} after {timeout:.0f}s:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def pid(self, name: str) -> int:
+        return int(re.findall(rf"(?:started|restarted) {re.escape(name)} \(pid (\d+)\)", self.output())[-1])
+
+    def kill(self, name: str) -> None:
+        """kill -9 a machine: its role's whole process group."""
+        os.killpg(self.pid(name), signal.SIGKILL)
+
+    def wait_back(self, name: str, since: int) -> None:
+        self._wait_output(f"disagg up: {name} is back", 600, after=since)
+
+    def link(self, node: str, action: str, method: str = "POST") -> dict:
+        n = self.settings.node(node)
+        url = f"http://{n.kv_advertise_host}:{self.settings.site.control_port}/{action}"
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=10) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def call(site: Site, path: str, body: dict | None = None, timeout: float = 300) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(GATEWAY + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {site.key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+# Ollama's format as a JSON schema, bounded: `"json"` alone lets a 135M (or random) model open a string it never
+# closes within num_predict; the schema makes every answer a whole JSON object in a few tokens.
+VERDICT = {"type": "object", "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 10},
+                                            "verdict": {"enum": ["pass", "fail"]}},
+           "required": ["score", "verdict"], "additionalProperties": False}
+
+
+def grade(site: Site, model: str, prompt: str, num_predict: int = 48) -> tuple[int, dict, dict]:
+    """What the lab's app sends: Ollama /api/generate, not streaming, JSON format, low temperature."""
+    return call(site, "/api/generate", {"model": model, "prompt": prompt, "stream": False, "format": VERDICT,
+                                        "options": {"num_predict": num_predict, "temperature": 0.2, "top_p": 0.9}})
+
+
+def health(site: Site) -> dict:
+    return call(site, "/health")[2]
+
+
+def wait_gateway_sees(site: Site, node: str, up: bool, timeout: float = 120) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if {n["name"]: n["up"] for n in health(site)["nodes"]}.get(node) == up:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the gateway never saw {node} {'up' if up else 'down'}")
+
+
+def resident_bytes(pid: int) -> int:
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    s = Site(tmp_path_factory.mktemp("site"))
+    try:
+        yield s
+    finally:
+        groups = {name: s.pid(name) for name in ROLES}
+        rc = s.stop()
+    assert rc == 0, s.output()[-4000:]
+    assert "disagg up: stopped" in s.output()
+    alive = [name for name, pid in groups.items() if _group_alive(pid)]
+    assert not alive, f"Ctrl-C left {alive} running"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_site_comes_up_within_memory_and_status_sees_it(site):
+    """Every role its own process with --node on its command line; all of them within 12 GiB resident;
+    `disagg status --config examples/site-local.toml` finds every node up, fingerprints agreeing, links working."""
+    import psutil
+
+    for name in ROLES[:-1]:
+        cmd = psutil.Process(site.pid(name)).cmdline()
+        assert cmd[cmd.index("--node") + 1] == name.removeprefix("link-"), cmd
+    rss = resident_bytes(site.proc.pid)
+    print(f"site ready after {site.ready_s:.0f}s, {rss / 2**30:.2f} GiB resident")
+    assert rss <= 12 * 2**30
+    out = subprocess.run([sys.executable, "-m", "backends.cli", "status", "--config", str(CONFIG), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    status = json.loads(out.stdout)
+    assert {n["name"]: n["up"] for n in status["nodes"]} == {"spark-0": True, "spark-1": True, "mac-0": True,
+                                                             "mac-1": True}, status
+    assert all(link["ok"] for link in status["links"]) and len(status["links"]) == 4, status["links"]
+
+
+def test_auth_is_on(site):
+    req = urllib.request.Request(GATEWAY + "/api/tags")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 401
+    status, _, tags = call(site, "/api/tags")
+    assert status == 200 and {SMOL, OSS} <= {m["name"] for m in tags["models"]}
+    n = site.settings.node("mac-0")  # nodes want the node token too
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(f"{n.url}/v1/generate", data=b"{}"), timeout=10)
+    assert e.value.code == 401
+
+
+def test_grading_burst_answers_json_on_both_decode_nodes(site):
+    """Both models at once, 1-3k-token prompts, format json: every answer parses, both Macs decode, KV crosses."""
+    jobs = [(model, notebook(cells, f"{model}-{i}")) for i, cells in enumerate([18, 30, 42])
+            for model in (SMOL, OSS)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: grade(site, *job), jobs))
+    nodes = set()
+    for (model, _), (status, headers, body) in zip(jobs, results):
+        assert status == 200, body
+        assert 1000 <= body["prompt_eval_count"] <= 3000, body["prompt_eval_count"]
+        assert set(json.loads(body["response"])) == {"score", "verdict"}, (model, body["response"])
+        assert headers["x-disagg-path"] == "disaggregated" and int(headers["x-disagg-kv-tokens"]) > 0, headers
+        nodes.add(headers["x-disagg-decode-node"])
+    assert nodes == {"mac-0", "mac-1"}
+
+
+def stream_generate(site: Site, body: dict):
+    """(headers, iterator of NDJSON lines) of a streaming /api/generate."""
+    req = urllib.request.Request(GATEWAY + "/api/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {site.key}"})
+    r = urllib.request.urlopen(req, timeout=300)
+    return dict(r.headers), (json.loads(line) for line in r if line.strip())
+
+
+def test_kill_spark_1_its_model_is_still_answered_and_it_comes_back(site):
+    since = len(site.output())
+    site.kill("spark-1")
+    wait_gateway_sees(site, "spark-1", up=False)
+    status, headers, body = grade(site, OSS, notebook(10, "spark-1-down"))
+    assert status == 200 and isinstance(json.loads(body["response"]), dict), body
+    assert headers["x-disagg-path"] in ("local", "fallback") and headers["x-disagg-kv-tokens"] == "0", headers
+    site.wait_back("spark-1", since)  # the supervisor restarted it
+    wait_gateway_sees(site, "spark-1", up=True)
+    status, headers, body = grade(site, OSS, notebook(10, "spark-1-back"))
+    assert status == 200 and headers["x-disagg-path"] == "disaggregated", (headers, body)
+
+
+def test_kill_decode_machine_mid_stream_the_stream_completes(site):
+    """kill -9 of the Mac decoding a stream after a few tokens: the gateway continues it on the other Mac."""
+    since = len(site.output())
+    body = {"model": SMOL, "prompt": notebook(4, "mid-stream") + "Explain the notebook.",
+            "options": {"num_predict": 40, "temperature": 0}}
+    headers, lines = stream_generate(site, body)
+    victim = headers["x-disagg-decode-node"]
+    seen = [next(lines) for _ in range(3)]
+    site.kill(victim)
+    seen += list(lines)
+    assert not any("error" in line for line in seen), seen
+    assert seen[-1]["done"] and seen[-1]["eval_count"] == 40, seen[-1]
+    site.wait_back(victim, since)
+    wait_gateway_sees(site, victim, up=True)
+
+
+def test_kv_link_cut_mid_transfer_falls_back_and_loses_nothing(site):
+    """The link slowed so the transfer spans seconds, cut once KV bytes are crossing: the decode node prefills
+    locally, the client gets a whole JSON answer; the restored link carries KV again."""
+    macs = ["mac-0", "mac-1"]
+    before = {m: site.link(m, "health", "GET")["bytes"] for m in macs}
+    for m in macs:
+        site.link(m, "rate?bytes_per_s=300000")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(grade, site, OSS, notebook(35, "cut"))
+            cut = None
+            while cut is None and not fut.done():
+                for m in macs:
+                    st = site.link(m, "health", "GET")
+                    if st["connections"] and st["bytes"] > before[m]:
+                        cut = site.link(m, "cut")
+                        break
+                time.sleep(0.05)
+            status, headers, body = fut.result()
+        assert cut is not None and cut["dropped"] >= 1, "the transfer ended before the link could be cut"
+        assert status == 200 and isinstance(json.loads(body["response"]), dict), body
+        assert headers["x-disagg-path"] == "fallback" and headers["x-disagg-kv-tokens"] == "0", headers
+        assert body["prompt_eval_count"] >= 1000 and body["done"], body
+    finally:
+        for m in macs:
+            site.link(m, "restore")
+            site.link(m, f"rate?bytes_per_s={site.settings.site.link_bytes_per_s}")
+    status, headers, body = grade(site, OSS, notebook(10, "after-cut"))
+    assert status == 200 and headers["x-disagg-path"] == "disaggregated", headers
+
+
+def test_link_rate_learned_is_the_shaped_rate(site):
+    """Sequential long prompts, one transfer at a time: /health's learned spark-0 -> Mac rate is within 25% of
+    [site] link_bytes_per_s, though the router's prior is the site's 10GbE (8x more)."""
+    for i in range(10):
+        status, _, body = grade(site, SMOL, notebook(40, f"link-{i}"), num_predict=1)
+        assert status == 200, body
+    links = health(site)["rates"]["link_bytes_per_s"]
+    learned = {k: v for k, v in links.items() if k.startswith("spark-0->") and v["samples"] >= 3}
+    assert learned, links
+    shaped = site.settings.site.link_bytes_per_s
+    for pair, rate in learned.items():
+        print(f"{pair}: learned {rate['value'] / 1e6:.1f} MB/s, shaped {shaped / 1e6:.1f} MB/s")
+        assert abs(rate["value"] - shaped) <= 0.25 * shaped, (pair, rate)
+
