@@ -41,12 +41,14 @@ def reasoning_of(st: GatewayState, model: str) -> tuple[ModelRoute, str | None]:
 
 async def encode(st: GatewayState, req: ChatRequest, think: bool | None = None) -> tuple[ModelRoute, list[int]]:
     """The route and the templated prompt's ids. `think`: Anthropic's thinking switch (None: the template's own
-    default); `req.reasoning_effort` sets the effort where the template takes one."""
+    default, or what `req.reasoning_effort` says: vLLM's "none" switches thinking off)."""
     route, reasoning = reasoning_of(st, req.model)
     tok = st.tokenizers[route.id]
     req.check(tok.vocab_size, tok.supports_tools)
+    effort, effort_think = req.effort()
     try:
-        kwargs = {**template_kwargs(reasoning or "", req.reasoning_effort, think), **(req.chat_template_kwargs or {})}
+        kwargs = {**template_kwargs(reasoning or "", effort, effort_think if think is None else think),
+                  **(req.chat_template_kwargs or {})}
     except ValueError as e:
         raise InvalidRequest(str(e), param="reasoning") from None
     # Tokenizing a long prompt takes milliseconds; keep it off the event loop (tokenizers releases the GIL).
@@ -56,19 +58,20 @@ async def encode(st: GatewayState, req: ChatRequest, think: bool | None = None) 
 
 
 async def prepare(st: GatewayState, req: ChatRequest, think: bool | None = None) -> ChatJob:
-    """Everything /v1/chat/completions decides before it runs, for a translated request (n is always 1)."""
+    """Everything a chat request decides before it runs: /v1/chat/completions' own, and each translated one's."""
     route, ids = await encode(st, req, think)
     tok = st.tokenizers[route.id]
     reasoning = parser_name(route.reasoning_parser, tok.model_type)
     # An upstream gets the messages; tools it would not see, so such requests stay in the cluster.
-    inp = None if req.tools else UpstreamInput.chat(req.messages_as_dicts())
+    inp = None if req.tools else UpstreamInput.chat(req.client_messages(), reasoning)
     max_tokens = resolve_max_tokens(req, len(ids), route.max_model_len)
     tools = tool_parser_name(route.tool_parser, tok.model_type) if req.tools and req.tool_choice != "none" else None
     grammar = req.grammar()
-    if forced := req.forced_tools():  # the call is masked into the model's own format (gateway/text/toolcalls/forced.py)
+    # the call is masked into the model's own format (gateway/text/toolcalls/forced.py)
+    if forced := req.forced_tools():
         try:
             grammar = forced_call_grammar(tools or "", forced, lambda t: tok.tokenizer.token_to_id(t) is not None)
         except ValueError as e:
             raise InvalidRequest(str(e), param="tool_choice") from None
-    sampling = replace(sampling_for(req, max_tokens, None), grammar=grammar)
+    sampling = replace(sampling_for(req, max_tokens, req.top_alternatives()), grammar=grammar)
     return ChatJob(route, tok, Prompt(ids, inp), sampling, reasoning, tools)
