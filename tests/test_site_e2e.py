@@ -110,9 +110,16 @@ VERDICT = {"type": "object", "properties": {"score": {"type": "integer", "minimu
 
 
 def grade(site: Site, model: str, prompt: str, num_predict: int = 48) -> tuple[int, dict, dict]:
-    """What the lab's app sends: Ollama /api/generate, not streaming, JSON format, low temperature."""
-    return call(site, "/api/generate", {"model": model, "prompt": prompt, "stream": False, "format": VERDICT,
-                                        "options": {"num_predict": num_predict, "temperature": 0.2, "top_p": 0.9}})
+    """What the lab's app sends: Ollama /api/generate, not streaming, JSON format, low temperature. JSON is enforced
+    only after a harmony model opens its final channel (as vLLM and Ollama do), which the random tiny gpt_oss never
+    writes; so its prompt is sent raw, in harmony's own markup, ending in the final channel's header, where the
+    gateway constrains from the first token."""
+    body = {"model": model, "prompt": prompt, "stream": False, "format": VERDICT,
+            "options": {"num_predict": num_predict, "temperature": 0.2, "top_p": 0.9}}
+    if model == OSS:
+        body.update(raw=True, prompt=f"<|start|>user<|message|>{prompt}<|end|><|start|>assistant"
+                                     "<|channel|>final<|message|>")
+    return call(site, "/api/generate", body)
 
 
 def health(site: Site) -> dict:
