@@ -26,7 +26,11 @@ def mine(request: web.Request) -> bool:
 
 
 class ErrorShape:
-    """How one API writes an error: `body` and `status` of an APIError, and what aiohttp's 404/405 say."""
+    """How one API writes an error: `body` and `status` of an APIError, and what aiohttp's 404/405 say (each API's
+    own wording, `{method}` and `{path}` filled in)."""
+
+    not_found = "Not found: {method} {path}"
+    not_allowed = "Method {method} is not allowed on {path}"
 
     def body(self, err: APIError) -> dict:
         raise NotImplementedError
@@ -34,43 +38,37 @@ class ErrorShape:
     def status(self, err: APIError) -> int:
         return err.status
 
+    def http_message(self, e: web.HTTPException, request: web.Request) -> str:
+        wording = {404: self.not_found, 405: self.not_allowed}.get(e.status)
+        return wording.format(method=request.method, path=request.path) if wording else (e.text or e.reason)
+
     def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
-        raise NotImplementedError
+        return APIError(self.http_message(e, request), status=e.status)
 
     def response(self, err: APIError) -> web.Response:
         return web.json_response(self.body(err), status=self.status(err), headers=err.headers or None)
 
 
 class OpenAIShape(ErrorShape):
+    not_found = "Unknown request URL: {method} {path}"
+
     def body(self, err: APIError) -> dict:
         return err.body()
 
     def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
-        if e.status == 404:
-            msg = f"Unknown request URL: {request.method} {request.path}"
-        elif e.status == 405:
-            msg = f"Method {request.method} is not allowed on {request.path}"
-        else:
-            msg = e.text or e.reason
         kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return APIError(msg, status=e.status, type=kind, code=_CODES.get(e.status))
+        return APIError(self.http_message(e, request), status=e.status, type=kind, code=_CODES.get(e.status))
 
 
 class OllamaShape(ErrorShape):
+    not_found = "{method} {path} is not an Ollama API endpoint"
+    not_allowed = "method {method} is not allowed on {path}"
+
     def body(self, err: APIError) -> dict:
         return {"error": f"unauthorized: {err.message}" if err.status == 401 else err.message}
 
     def status(self, err: APIError) -> int:
         return 500 if err.status == 502 else err.status  # Ollama: a node's failure is a 500
-
-    def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
-        if e.status == 404:
-            msg = f"{request.method} {request.path} is not an Ollama API endpoint"
-        elif e.status == 405:
-            msg = f"method {request.method} is not allowed on {request.path}"
-        else:
-            msg = e.text or e.reason
-        return APIError(msg, status=e.status)
 
 
 OPENAI, OLLAMA = OpenAIShape(), OllamaShape()

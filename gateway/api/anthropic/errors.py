@@ -26,15 +26,6 @@ class AnthropicShape(ErrorShape):
     def body(self, err: APIError) -> dict:
         return error_body(err)
 
-    def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
-        if e.status == 404:
-            msg = f"Not found: {request.method} {request.path}"
-        elif e.status == 405:
-            msg = f"Method {request.method} is not allowed on {request.path}"
-        else:
-            msg = e.text or e.reason
-        return APIError(msg, status=e.status)
-
 
 ANTHROPIC = AnthropicShape()
 
