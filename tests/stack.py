@@ -27,11 +27,12 @@ def free_port() -> int:
 
 def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
                  kv_advertise_port: dict[str, int] | None = None, prefix_cache_bytes: int = 0,
-                 model_dir: Path = MODEL_DIR) -> Path:
+                 model_dir: Path = MODEL_DIR, node_secret: str | None = None) -> Path:
     """A stack config on free ports. decode_nodes: decode-0, decode-1, ... all serving the model.
     kv_advertise_port: decode node name -> the port prefill nodes are told to send its KV to (a relay in front of
     its kv_port). Decode-side prefix reuse is off unless asked for: tests that pin how many KV tokens cross must
-    not depend on which prompts (a shared system prompt!) earlier tests left behind."""
+    not depend on which prompts (a shared system prompt!) earlier tests left behind. node_secret: in the file, so
+    `disagg status --config` run by a test authenticates as the gateway does (KV frames MACed: the default)."""
     ports = {k: free_port() for k in ("gateway", "prefill")}
     decoders = ""
     for i in range(decode_nodes):
@@ -45,7 +46,8 @@ port = {free_port()}
 kv_port = {free_port()}
 """ + (f"kv_advertise_port = {advertised}\n" if advertised else "")
     decode_names = ", ".join(f'"decode-{i}"' for i in range(decode_nodes))
-    text = f"""
+    auth = "" if node_secret is None else f'[auth]\nnode_secret = "{node_secret}"\n'
+    text = auth + f"""
 [gateway]
 port = {ports['gateway']}
 health_interval_s = 0.5
@@ -162,6 +164,23 @@ class Stack:
         """What a caller of the nodes must send (the gateway's node credential; {} when nodes run open)."""
         token = self.settings.auth.node_token()
         return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+    @property
+    def kv_key(self) -> bytes | None:
+        """The key a KV sender into these decode nodes signs with (None when nodes run open)."""
+        return self.settings.auth.kv_key()
+
+    def kv_stream(self, hdr, *frames: list) -> list[bytes]:
+        """A KV stream as a prefill node of this stack writes it: the header (signed when nodes share a secret)
+        and each frame (`wire.frame_parts` / `kv_frame_parts` output), MAC-tagged in turn when the header says so."""
+        from kv_bridge import wire
+
+        key, mac = self.kv_key, None
+        if key is not None:
+            hdr = wire.sign_header(hdr, key, self.settings.auth.kv_frame_mac)
+            mac = wire.FrameMac(key, hdr.auth) if hdr.frame_mac else None
+        head = wire.json_frame(wire.HEADER, hdr.to_json())  # the header's auth starts the frames' tag chain
+        return [head] + [b"".join(bytes(p) for p in (f if mac is None else mac.seal(f))) for f in frames]
 
     def url(self, name: str) -> str:
         if name == "gateway":

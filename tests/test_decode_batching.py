@@ -46,7 +46,7 @@ async def generate(session, stack, req: dict, on_token=None, cancel_after: int |
                    on_accepted=None) -> dict:
     """One /v1/generate; returns {"ids", "text", "done"}. `cancel_after` tokens: disconnect mid-stream."""
     ids, text, done = [], "", None
-    async with session.post(stack.url("decode-0") + "/v1/generate", json=req) as r:
+    async with session.post(stack.url("decode-0") + "/v1/generate", json=req, headers=stack.node_headers) as r:
         assert r.status == 200, await r.text()
         async for raw in r.content:
             ev = json.loads(raw)
@@ -66,7 +66,7 @@ async def generate(session, stack, req: dict, on_token=None, cancel_after: int |
 
 
 async def health(session, stack) -> dict:
-    async with session.get(stack.url("decode-0") + "/health") as r:
+    async with session.get(stack.url("decode-0") + "/health", headers=stack.node_headers) as r:
         return await r.json()
 
 
@@ -186,13 +186,13 @@ def mlx_kv(model, ids: list[int]):
     return cache_kv(cache, len(ids))
 
 
-def send_kv(port: int, tid: str, keys: np.ndarray, values: np.ndarray) -> None:
+def send_kv(port: int, tid: str, keys: np.ndarray, values: np.ndarray, key: bytes | None = None) -> None:
     """Stream KV to the decode node's receiver with the bridge's real sender (one frame per layer)."""
     spec = kv_spec(MODEL_DIR)
     hdr = wire.StreamHeader(transfer_id=tid, fingerprint=spec["fingerprint"], num_layers=spec["num_layers"],
                             num_kv_heads=spec["num_kv_heads"], head_dim=spec["head_dim"], dtype="float32", start=0,
                             num_tokens=keys.shape[2])
-    sender = KVSender()
+    sender = KVSender(key=key)  # signed with the stack's KV key, as its prefill node signs
     try:
         sender.open(hdr, "127.0.0.1", port)
         for layer in range(keys.shape[0]):
@@ -210,7 +210,7 @@ def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
     ids = [prompt_ids(tok, p) for p in prompts]
     bridged = {0, 2}
     kv = {i: mlx_kv(model, ids[i][:-1]) for i in bridged}
-    kv_port = decode.settings.node("decode-0").kv_port
+    kv_port, key = decode.settings.node("decode-0").kv_port, decode.kv_key
 
     async def main():
         async with aiohttp.ClientSession() as s:
@@ -219,7 +219,7 @@ def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
                     return await generate(s, decode, body(ids[i], 15))
                 req = body(ids[i], 15, kv={"tokens": len(ids[i]) - 1})
                 # The transfer is registered once the node accepted: send the KV then, like a prefill node.
-                send = lambda: asyncio.to_thread(send_kv, kv_port, req["request_id"], *kv[i])  # noqa: E731
+                send = lambda: asyncio.to_thread(send_kv, kv_port, req["request_id"], *kv[i], key)  # noqa: E731
                 return await generate(s, decode, req, on_accepted=send)
 
             outs = await asyncio.gather(*(one(i) for i in range(len(prompts))))

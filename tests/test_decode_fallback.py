@@ -20,7 +20,7 @@ async def generate(stack, ids, kv_tokens, rid, on_accepted):
     """POST /v1/generate on the decode node; run `on_accepted` once the transfer is registered."""
     body = {"request_id": rid, "model": MODEL_ID, "token_ids": ids, "max_tokens": 12, "temperature": 0,
             "kv": {"tokens": kv_tokens}}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=stack.node_headers) as s:
         async with s.post(stack.url("decode-0") + "/v1/generate", json=body) as r:
             assert r.status == 200
             assert json.loads(await r.content.readline())["type"] == "accepted"
@@ -58,7 +58,7 @@ def test_bad_stream_makes_decode_prefill_locally(stack, hf_tokenizer, case):
     ids = ids_for(hf_tokenizer)
     n = len(ids) - 1
     rid = f"r-{case}"
-    spec = json.loads(urllib_get(stack.url("decode-0") + "/health"))
+    spec = json.loads(urllib_get(stack.url("decode-0") + "/health", stack.node_headers))
     hdr = wire.StreamHeader(transfer_id=rid, fingerprint=spec["fingerprint"][MODEL_ID], num_layers=30,
                             num_kv_heads=3, head_dim=64, dtype="float32", start=0, num_tokens=n)
     if case == "foreign_model":
@@ -66,12 +66,14 @@ def test_bad_stream_makes_decode_prefill_locally(stack, hf_tokenizer, case):
     import numpy as np
 
     k = np.zeros((3, n, 64), np.float32)
-    frame = bytearray(b"".join(bytes(p) for p in wire.kv_frame_parts(0, 0, k, k)))
+    # signed as the stack's prefill node would (its nodes share a secret): only the damage below is wrong
+    head, frame = stack.kv_stream(hdr, wire.kv_frame_parts(0, 0, k, k))
+    frame = bytearray(frame)
     if case == "corrupt":
         frame[50] ^= 0xFF
     if case == "truncated":
         frame = frame[: len(frame) // 3]
-    frames = [wire.json_frame(wire.HEADER, hdr.to_json()), bytes(frame)]
+    frames = [head, bytes(frame)]
 
     async def inject(s):
         await asyncio.to_thread(send_raw, stack.settings.node("decode-0").kv_port, frames)
@@ -82,8 +84,8 @@ def test_bad_stream_makes_decode_prefill_locally(stack, hf_tokenizer, case):
     assert text.startswith("The capital of France is Paris.")
 
 
-def urllib_get(url: str) -> str:
+def urllib_get(url: str, headers: dict | None = None) -> str:
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
         return r.read().decode()

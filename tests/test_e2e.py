@@ -25,9 +25,10 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-def post(url: str, body: dict | bytes, timeout: float = 300) -> tuple[int, dict, dict]:
+def post(url: str, body: dict | bytes, timeout: float = 300,
+         headers: dict | None = None) -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, headers, got = r.status, dict(r.headers), json.loads(r.read())
@@ -66,7 +67,8 @@ def test_split_equals_vllm_alone_and_mlx_alone(stack, mlx_ref, hf_tokenizer, con
     assert body["usage"]["prompt_tokens"] == len(ids)
 
     status, _, alone = post(stack.url("prefill-0") + "/v1/generate",
-                            {"model": MODEL_ID, "token_ids": ids, "max_tokens": MAX_TOKENS, "temperature": 0})
+                            {"model": MODEL_ID, "token_ids": ids, "max_tokens": MAX_TOKENS, "temperature": 0},
+                            headers=stack.node_headers)
     assert status == 200
     assert text == alone["text"]
     assert body["usage"]["completion_tokens"] == len(alone["token_ids"])

@@ -38,13 +38,13 @@ def mlx_kv(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 async def bridged_kv(stack, ids: list[int], cfg: KVConfig | None = None):
     """Ask the real prefill node to prefill `ids` and stream the KV to a receiver in this process."""
-    receiver = KVReceiver(cfg or KVConfig())
+    receiver = KVReceiver(cfg or KVConfig(), stack.kv_key)
     port = free_port()
     await receiver.start("127.0.0.1", port)
     tid = uuid.uuid4().hex
     transfer = receiver.expect(tid, len(ids), kv_spec(MODEL_DIR))
     try:
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=stack.node_headers) as s:
             body = {"request_id": tid, "model": MODEL_ID, "token_ids": ids,
                     "kv_target": {"host": "127.0.0.1", "port": port}}
             async with s.post(stack.url("prefill-0") + "/v1/prefill", json=body) as r:

@@ -49,7 +49,7 @@ def test_quantized_decode_node_through_the_split(stack, mlx_ref, hf_tokenizer, t
 
     from stack import MODEL_ID, Stack
 
-    q = Stack(tmp_path)
+    q = Stack(tmp_path, node_secret=stack.settings.auth.node_secret.get_secret_value())  # takes stack's signed KV
     q.start("decode-0", env={"DISAGG_DECODE__KV_BITS": "8"})
     try:
         text = hf_tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -60,7 +60,7 @@ def test_quantized_decode_node_through_the_split(stack, mlx_ref, hf_tokenizer, t
             body = {"request_id": "q8", "model": MODEL_ID, "token_ids": ids, "max_tokens": 16, "temperature": 0,
                     "kv": {"tokens": len(ids) - 1}}
             target = {"host": "127.0.0.1", "port": q.settings.node("decode-0").kv_port}
-            async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession(headers=stack.node_headers) as s:  # one secret: one credential
                 async with s.post(q.url("decode-0") + "/v1/generate", json=body) as r:
                     await r.content.readline()
                     async with s.post(stack.url("prefill-0") + "/v1/prefill", json={

@@ -87,7 +87,8 @@ def test_completions_equal_vllm_alone(client, stack, hf_tokenizer, prompt):
     ids = hf_tokenizer.encode(prompt)
     assert r.usage.prompt_tokens == len(ids)
     status, _, alone = post(stack.url("prefill-0") + "/v1/generate",
-                            {"model": MODEL_ID, "token_ids": ids, "max_tokens": 8, "temperature": 0})
+                            {"model": MODEL_ID, "token_ids": ids, "max_tokens": 8, "temperature": 0},
+                            headers=stack.node_headers)
     assert status == 200 and r.choices[0].text == alone["text"]
 
 
