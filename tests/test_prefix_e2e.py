@@ -5,11 +5,16 @@ Bridge level: a transfer from kv_start P carries exactly tokens [P, n), equal to
 whether P lies below or above what vLLM had cached (C), and in (n - P) / n of a full transfer's bytes.
 Conversation level: turn 2 of a chat reuses turn 1's KV on the decode node, moves only the rest, and answers
 exactly what MLX alone answers for the whole turn-2 prompt.
+Backpressure, on the same decode node (its in-flight KV capped at 100 tokens, more than any request above sends):
+a request whose KV would pass kv.max_inflight_bytes gets 429 + Retry-After (code kv_capacity), each request's share
+is released when it ends, and the node serves again. The gateway's side (try the next node, then 429) is in
+tests/test_failover.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 import uuid
 
@@ -28,13 +33,16 @@ from test_kv_fidelity import TEXT, mlx_kv
 pytestmark = pytest.mark.e2e
 N = 300  # with max_num_batched_tokens=64, prefilled in chunks [0,64), [64,128), ...; vLLM caches 128-token blocks
 TOKEN_BYTES = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, head_dim 64, float32
+CAP_TOKENS = 100  # the decode node's in-flight KV cap; the chats below send at most 66 tokens of KV at a time
 
 
 @pytest.fixture(scope="module")
 def pstack(tmp_path_factory):
-    """A stack with decode-side prefix reuse on and chunked prefill (64-token chunks) on the prefill node."""
-    s = Stack(tmp_path_factory.mktemp("prefix"), env={"DISAGG_PREFILL__MAX_NUM_BATCHED_TOKENS": "64"},
-              prefix_cache_bytes=1 << 30)
+    """A stack with decode-side prefix reuse on and chunked prefill (64-token chunks) on the prefill node; its decode
+    node's in-flight KV is capped for the backpressure test (the session stack's could not be: bursts need more)."""
+    env = {"DISAGG_PREFILL__MAX_NUM_BATCHED_TOKENS": "64",
+           "DISAGG_KV__MAX_INFLIGHT_BYTES": str(CAP_TOKENS * TOKEN_BYTES)}
+    s = Stack(tmp_path_factory.mktemp("prefix"), env=env, prefix_cache_bytes=1 << 30)
     with s.running(["decode-0", "prefill-0", "gateway"]):
         yield s
 
@@ -145,3 +153,40 @@ def test_repeated_prompt_needs_no_prefill(pstack, mlx_ref, hf_tokenizer):
     assert h2["x-disagg-prefix-tokens"] == str(n - 1) and h2["x-disagg-kv-tokens"] == "0"
     assert h2["x-disagg-prefill-ms"] == "0" and moved == 0
     assert b2["choices"][0]["message"]["content"] == b1["choices"][0]["message"]["content"]
+
+
+# Backpressure last: its requests (token ids 1..N, locally prefilled once aborted) leave caches in the prefix store.
+def capped(rid: str, kv_tokens: int) -> dict:
+    return {"request_id": rid, "model": MODEL_ID, "token_ids": list(range(1, kv_tokens + 2)), "max_tokens": 2,
+            "temperature": 0, "kv": {"tokens": kv_tokens}}
+
+
+async def test_kv_over_the_cap_is_refused_with_429_and_released_after_use(pstack):
+    url = pstack.url("decode-0")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/generate", json=capped("too-big", CAP_TOKENS + 1)) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "1"
+            err = (await r.json())["error"]
+        assert err["code"] == "kv_capacity" and "max_inflight_bytes" in err["message"]
+
+        # 60 tokens fit; while that request waits for its KV, 60 more do not.
+        held = await s.post(url + "/v1/generate", json=capped("held", 60))
+        assert json.loads(await held.content.readline())["type"] == "accepted"
+        async with s.post(url + "/v1/generate", json=capped("second", 60)) as r:
+            assert r.status == 429
+        # The held request's KV never comes: abort it, it prefills locally and ends, and its share is released.
+        async with s.post(url + "/v1/transfers/held/abort") as r:
+            assert (await r.json())["aborted"] is True
+        lines = [json.loads(ln) async for ln in held.content]
+        held.release()
+        assert lines[-1]["type"] == "done" and lines[-1]["fallback_reason"] == "kv_aborted"
+
+        second = await s.post(url + "/v1/generate", json=capped("second", 60))
+        assert second.status == 200
+        assert json.loads(await second.content.readline())["type"] == "accepted"
+        async with s.post(url + "/v1/transfers/second/abort") as r:
+            assert (await r.json())["aborted"] is True
+        assert [json.loads(ln) async for ln in second.content][-1]["type"] == "done"
+        second.release()
+        async with s.get(url + "/health") as r:
+            assert (await r.json())["running"] == 0
