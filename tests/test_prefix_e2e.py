@@ -155,10 +155,16 @@ def test_repeated_prompt_needs_no_prefill(pstack, mlx_ref, hf_tokenizer):
     assert b2["choices"][0]["message"]["content"] == b1["choices"][0]["message"]["content"]
 
 
-# Backpressure last: its requests (token ids 1..N, locally prefilled once aborted) leave caches in the prefix store.
+# Backpressure last: its requests, locally prefilled once aborted, leave caches in the prefix store. Their token ids
+# share no prefix with each other or with a chat prompt (those open with <|im_start|>, id 1): a prefix hit of P
+# tokens would lower the KV a request reserves to (tokens - P) and let the too-big one in.
+FIRST_ID = {"too-big": 1000, "held": 2000, "second": 3000}
+
+
 def capped(rid: str, kv_tokens: int) -> dict:
-    return {"request_id": rid, "model": MODEL_ID, "token_ids": list(range(1, kv_tokens + 2)), "max_tokens": 2,
-            "temperature": 0, "kv": {"tokens": kv_tokens}}
+    ids = list(range(FIRST_ID[rid], FIRST_ID[rid] + kv_tokens + 1))
+    return {"request_id": rid, "model": MODEL_ID, "token_ids": ids, "max_tokens": 2, "temperature": 0,
+            "kv": {"tokens": kv_tokens}}
 
 
 async def test_kv_over_the_cap_is_refused_with_429_and_released_after_use(pstack):
