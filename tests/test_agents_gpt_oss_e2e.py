@@ -2,7 +2,7 @@
 node, real gateway), through the official SDKs unchanged: reasoning items and thinking blocks from the analysis
 channel, and function_call items and tool_use blocks from a forced tool call, whole and streamed, then the tool's
 result in the next turn. A random model emits no harmony by itself: as in test_gpt_oss_e2e.py, tool_choice masks
-the output into harmony and logit_bias picks the channel."""
+the output into harmony and logit_bias picks the channel. On the shared tiny-gpt_oss stack (tests/oss_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from stack import MODEL_ID, Stack
-from tiny_models import build_family
+from oss_fixtures import oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
+from stack import MODEL_ID
 
 import openai
 import anthropic
@@ -25,18 +25,13 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def oss(tmp_path_factory):
-    folder = build_family("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "model")
-    s = Stack(tmp_path_factory.mktemp("oss-agents"), model_dir=folder)
-    try:
-        s.start_all(["decode-0", "gateway"])  # no prefill node: the local path
-        vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
-        analysis = [i for t, i in vocab.items() if t and "analysis".startswith(t) and not "commentary".startswith(t)]
-        url = s.url("gateway")
-        yield (openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300),
-               anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300), analysis)
-    finally:
-        s.stop()
+def oss(oss_stack):
+    """(openai client, anthropic client, the token ids that spell a prefix of "analysis" only) on the shared stack."""
+    vocab = json.loads((oss_stack.folder / "tokenizer.json").read_text())["model"]["vocab"]
+    analysis = [i for t, i in vocab.items() if t and "analysis".startswith(t) and not "commentary".startswith(t)]
+    url = oss_stack.stack.url("gateway")
+    return (openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300),
+            anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300), analysis)
 
 
 def _bias(analysis: list[int], value: int) -> dict:

@@ -3,7 +3,7 @@ real gateway: both APIs render the harmony prompt with the reasoning effort, and
 end tokens <|return|> and <|call|> (config.json names only one as EOS). A random model emits no harmony by itself:
 logit_bias makes it say the end token; the parsing itself is tested with real token streams in
 test_reasoning_api.py and test_toolcalls_api.py. A forced tool call (tool_choice) is masked into a valid harmony
-call by the decode node's grammar."""
+call by the decode node's grammar. On the shared tiny-gpt_oss stack (tests/oss_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,18 @@ import json
 
 import pytest
 
+from oss_fixtures import oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
 from stack import MODEL_ID, Stack
 from test_e2e import post as e2e_post
-from tiny_models import build_family
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def oss(tmp_path_factory):
-    folder = build_family("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "model")
-    s = Stack(tmp_path_factory.mktemp("oss-stack"), model_dir=folder)
-    ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
-    with s.running(["decode-0", "gateway"]):  # no prefill node: the local path
-        yield s, {t["content"]: t["id"] for t in ids}
+def oss(oss_stack):
+    """(the shared stack, its tokenizer's added tokens by text)."""
+    ids = json.loads((oss_stack.folder / "tokenizer.json").read_text())["added_tokens"]
+    return oss_stack.stack, {t["content"]: t["id"] for t in ids}
 
 
 def post(s: Stack, path: str, body: dict) -> tuple[int, dict]:

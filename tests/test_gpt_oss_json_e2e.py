@@ -2,7 +2,8 @@
 (tests/scripted_gpt_oss.py) reasons in the analysis channel, then opens the final channel; with Ollama's
 `format` or OpenAI's `response_format` the decode node's grammar starts only there, so the reasoning streams first
 (as `thinking` / `reasoning_content`) and the answer is JSON that the grammar closed. Read with the official
-`ollama` and `openai` clients."""
+`ollama` and `openai` clients. The shared tiny-gpt_oss stack (tests/oss_fixtures.py) serves the scripted model as
+SCRIPTED_ID."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import json
 
 import pytest
 
-from scripted_gpt_oss import REASONING, build_scripted_gpt_oss
-from stack import MODEL_ID, Stack
+from oss_fixtures import SCRIPTED_ID as MODEL_ID, oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
+from scripted_gpt_oss import REASONING
 
 pytestmark = pytest.mark.e2e
 
@@ -21,14 +22,9 @@ MESSAGES = [{"role": "user", "content": "Grade the notebook. Answer in JSON."}]
 
 
 @pytest.fixture(scope="module")
-def oss(tmp_path_factory):
-    folder = build_scripted_gpt_oss(tmp_path_factory.mktemp("scripted") / "model")
-    s = Stack(tmp_path_factory.mktemp("oss-json-stack"), model_dir=folder)
-    try:
-        s.start_all(["decode-0", "gateway"])  # no prefill node: the local path
-        yield s
-    finally:
-        s.stop()
+def oss(oss_stack):
+    """The shared stack; its decode node serves the scripted model as SCRIPTED_ID."""
+    return oss_stack.stack
 
 
 def test_ollama_format_json_thinks_first_then_answers_json(oss):

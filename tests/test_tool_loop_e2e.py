@@ -2,6 +2,7 @@
 analysis and a call; the client sends both back with the tool's result, on OpenAI's chat API and on Ollama's
 /api/chat, and the prompt that reaches the decode node (recorded by a proxy in front of it) carries step 1's
 analysis before the call, token for token what transformers renders from the published template's `thinking`.
+The stack is the shared tiny-gpt_oss one (tests/oss_fixtures.py), whose gateway reaches decode-0 through that proxy.
 
 A random model does not reason or call by itself: tool_choice masks step 1 into a harmony call (the decode node's
 grammar allows an analysis first) and logit_bias steers it into a short analysis (the "analysis" channel, then
@@ -15,9 +16,9 @@ import json
 import pytest
 
 from family_streams import family_tokenizers
+from oss_fixtures import oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
 from recording_proxy import RecordingProxy
 from stack import MODEL_ID, Stack
-from tiny_models import build_family
 
 pytestmark = pytest.mark.e2e
 
@@ -29,24 +30,9 @@ RESULT = "sunny, 21 C"
 
 
 @pytest.fixture(scope="module")
-def loop(tmp_path_factory):
-    """(stack, proxy, model folder): the gateway reaches decode-0 through the recording proxy."""
-    folder = build_family("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "model")
-    s = Stack(tmp_path_factory.mktemp("loop-stack"), model_dir=folder)
-    proxy = None
-    try:
-        s.start("decode-0")
-        proxy = RecordingProxy(s.url("decode-0"))
-        port = s.settings.node("decode-0").port
-        proxied = s.folder / "gateway.toml"  # the same config with decode-0's HTTP port swapped for the proxy's
-        proxied.write_text(s.config.read_text().replace(f"port = {port}\n", f"port = {proxy.port}\n", 1))
-        s.config = proxied
-        s.start("gateway")
-        yield s, proxy, folder
-    finally:
-        s.stop()
-        if proxy is not None:
-            proxy.close()
+def loop(oss_stack):
+    """(stack, proxy, model folder) of the shared stack: its gateway reaches decode-0 through the recording proxy."""
+    return oss_stack.stack, oss_stack.proxy, oss_stack.folder
 
 
 def step_one(s: Stack, folder) -> dict:
