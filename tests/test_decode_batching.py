@@ -106,12 +106,21 @@ async def all_at_once(stack, reqs: list[dict]) -> list[dict]:
         return await asyncio.gather(*(generate(s, stack, r) for r in reqs))
 
 
-def test_concurrent_requests_equal_each_alone_and_mlx_alone(decode, mlx_ref):
-    _, tok = mlx_ref
+def case_requests(tok) -> list[dict]:
+    """CASES, then a seeded sampled request (its own key: repeats are batched), as /v1/generate bodies."""
     reqs = [body(prompt_ids(tok, p), n, stop) for p, n, stop in CASES]
-    seeded = body(prompt_ids(tok, "Tell me a story:"), 10, temperature=0.9, seed=7)  # own key: repeats batched
-    alone = run(one_by_one(decode, [*reqs, seeded]))
-    together = run(all_at_once(decode, [*reqs, seeded]))
+    return [*reqs, body(prompt_ids(tok, "Tell me a story:"), 10, temperature=0.9, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def alone(decode, mlx_ref) -> list[dict]:
+    """case_requests run one at a time on the node, once for the module: what each gets alone."""
+    return run(one_by_one(decode, case_requests(mlx_ref[1])))
+
+
+def test_concurrent_requests_equal_each_alone_and_mlx_alone(decode, mlx_ref, alone):
+    _, tok = mlx_ref
+    together = run(all_at_once(decode, case_requests(tok)))
     for (prompt, n, stop), a, b in zip(CASES, alone, together):
         assert b["ids"] == a["ids"] and b["text"] == a["text"], prompt
         assert b["done"]["finish_reason"] == a["done"]["finish_reason"]
@@ -139,7 +148,8 @@ def test_short_request_overtakes_long_one(decode, mlx_ref):
                     sizes.append((await health(s, decode))["batch_size"])
 
             async def long():
-                await generate(s, decode, body(prompt_ids(tok, "A long essay about rivers:"), 120), started)
+                # 48 tokens: the short one (12, started at the long one's first token) has 35 steps of margin
+                await generate(s, decode, body(prompt_ids(tok, "A long essay about rivers:"), 48), started)
                 order.append("long")
 
             async def short():
@@ -156,11 +166,10 @@ def test_short_request_overtakes_long_one(decode, mlx_ref):
     assert h["running"] == 0 and h["batch_size"] == 0 and h["cache_bytes"] == 0
 
 
-def test_cancelled_request_leaves_the_others_unchanged(decode, mlx_ref):
+def test_cancelled_request_leaves_the_others_unchanged(decode, mlx_ref, alone):
     _, tok = mlx_ref
-    reqs = [body(prompt_ids(tok, p), n, stop) for p, n, stop in CASES[:3]]
+    reqs = case_requests(tok)[:3]
     victim = body(prompt_ids(tok, "Count slowly from one to a hundred:"), 200)
-    alone = run(one_by_one(decode, reqs))
 
     async def main():
         async with aiohttp.ClientSession() as s:
@@ -170,7 +179,7 @@ def test_cancelled_request_leaves_the_others_unchanged(decode, mlx_ref):
 
     (cancelled, *others), h = run(main())
     assert len(cancelled["ids"]) == 3 and cancelled["done"] is None
-    assert [o["ids"] for o in others] == [a["ids"] for a in alone]
+    assert [(o["ids"], o["text"]) for o in others] == [(a["ids"], a["text"]) for a in alone[:3]]
     assert h["running"] == 0 and h["batch_size"] == 0 and h["cache_bytes"] == 0  # the victim's cache is freed
 
 

@@ -4,7 +4,8 @@
   the client's text equals the uninterrupted run; the killed node, restarted, serves again;
 - a KV connection cut mid-frame by the relay: the request completes through decode-local prefill, counted;
 - kill -9 of the prefill node mid-transfer (the relay throttles the link so the transfer is long): decode-local
-  prefill, greedy text equal to MLX alone; restarted, the prefill node serves disaggregated again.
+  prefill, greedy text equal to MLX alone. (A killed prefill node restarted and taking the split again is
+  test_burst_e2e's subject, on the session stack, and test_up's; a second vLLM start here proved nothing more.)
 Each checks that nothing is left behind: the decode nodes' /health shows no running generation and no transfer.
 """
 
@@ -23,9 +24,10 @@ from stack import MODEL_ID, Stack
 
 pytestmark = pytest.mark.e2e
 FALLBACK_REASONS = ("kv_aborted", "kv_error", "kv_timeout")
-# ~130 tokens, 6 MB of float32 KV: long enough to cut or throttle mid-transfer; the fallbacks prefill it on MLX.
+# ~65 tokens (~100 with the chat template), 4.5 MB of float32 KV: long enough to cut at 300 KB or throttle past
+# 500 KB mid-transfer, and short: each fallback prefills it on MLX (~16 tokens/s here), and so does its reference.
 LONG_PROMPT = ("Here are notes on the history of the printing press, paper making, ink, type founding, and the "
-               "spread of books across Europe in the fifteenth and sixteenth centuries. ") * 4
+               "spread of books across Europe in the fifteenth and sixteenth centuries. ") * 2
 
 
 class Relay:
@@ -146,7 +148,7 @@ def mlx_alone(mlx_ref, hf_tokenizer, content: str, max_tokens: int) -> str:
 
 
 def test_decode_node_killed_mid_stream_fails_over_and_comes_back(stack2):
-    content, max_tokens = "Tell me a long story about a fox who lived in a forest.", 80
+    content, max_tokens = "Tell me a long story about a fox who lived in a forest.", 40  # ~30 after the kill
     _, ref = complete(stack2, content, max_tokens)  # both nodes alive: the uninterrupted run
     before = fallbacks(stack2, "decode_failover")
     text, finish, killed = "", [], None
@@ -205,9 +207,9 @@ def test_kv_connection_cut_mid_frame_falls_back_to_local_prefill(stack2, relay, 
     assert headers["x-disagg-path"] == "disaggregated", headers
 
 
-def test_prefill_node_killed_mid_transfer_falls_back_and_comes_back(stack2, relay, mlx_ref, hf_tokenizer):
+def test_prefill_node_killed_mid_transfer_falls_back_to_local_prefill(stack2, relay, mlx_ref, hf_tokenizer):
     content = "Kill: " + LONG_PROMPT
-    relay.rate = 1_000_000  # ~46 KB of float32 KV per token here: a transfer of several seconds
+    relay.rate = 1_000_000  # ~46 KB of float32 KV per token here: a transfer of ~4 s, killed ~0.5 s in
     result: dict = {}
 
     def call() -> None:
@@ -232,9 +234,4 @@ def test_prefill_node_killed_mid_transfer_falls_back_and_comes_back(stack2, rela
     assert headers["x-disagg-decode-node"] == "decode-0" and headers["x-disagg-path"] == "fallback", headers
     assert headers["x-disagg-fallbacks"].split(",")[-1] in FALLBACK_REASONS
     assert body["choices"][0]["message"]["content"] == mlx_alone(mlx_ref, hf_tokenizer, content, 8)
-    assert_nothing_left(stack2)
-    stack2.start("prefill-0")
-    stack2.wait_gateway_sees("prefill-0")
-    headers, _ = complete(stack2, "Back: " + LONG_PROMPT, 4)
-    assert headers["x-disagg-path"] == "disaggregated", headers
     assert_nothing_left(stack2)
