@@ -107,6 +107,7 @@ class FakeDecodeNode(FakeNode):
         self.kv_timeout_s = kv_timeout_s
         self.mode: str | None = None
         self.token_delay = 0.0
+        self.hold: asyncio.Event | None = None  # set: the next generation (only) waits for it before its first token
         self.break_after = 2
         self.continues = False
         self.skip_special = True  # decoded text leaves special tokens out (SmolLM2's reply has none)
@@ -152,6 +153,7 @@ class FakeDecodeNode(FakeNode):
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        hold, self.hold = self.hold, None
         if self.down:
             return _error(503, "loading")
         if self.mode == "http_500":
@@ -177,6 +179,8 @@ class FakeDecodeNode(FakeNode):
         try:
             await self._write(resp, accepted)
             kv_tokens, fallback = await self._await_kv(rid)
+            if hold is not None:
+                await hold.wait()
             await self._tokens(request, resp, body, kv_tokens, fallback, start)
         except ConnectionResetError:
             self.disconnects.append(rid)
