@@ -271,6 +271,7 @@ class FakePrefillNode(FakeNode):
         self.fail: str | None = None
         self.requests: list[dict] = []
         self.seconds_per_token = 0.0
+        self.hold: asyncio.Event | None = None  # set: the next call (only) computes until it is set
         self.running = self.max_running = 0
         self._engine = asyncio.Lock()
 
@@ -278,10 +279,13 @@ class FakePrefillNode(FakeNode):
         app.router.add_post("/v1/prefill", self._prefill)
 
     async def _compute(self, tokens: int) -> None:
+        hold, self.hold = self.hold, None
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
             async with self._engine:
+                if hold is not None:
+                    await hold.wait()
                 await asyncio.sleep(tokens * self.seconds_per_token)
         finally:
             self.running -= 1
