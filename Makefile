@@ -46,8 +46,10 @@ test: install models site-models tools
 	$(BIN)/python -m pytest -q --durations=25
 
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
+# Two pytest-xdist workers: on this 2-core box the tier is part CPU, part waiting on sockets and timeouts.
+QUICK_WORKERS ?= 2
 test-quick: install models tools
-	$(BIN)/python -m pytest -q -m "not e2e and not soak and not cuda" --durations=10
+	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
 
 # The CUDA-only tests (tests/test_kv_cuda.py) on a machine with torch + CUDA and nothing else: a venv over the
 # system's torch adds pytest and numpy only, and skips the suite's conftest (its fixtures import the gateway and

@@ -107,6 +107,7 @@ class FakeDecodeNode(FakeNode):
         self.kv_timeout_s = kv_timeout_s
         self.mode: str | None = None
         self.token_delay = 0.0
+        self.hold: asyncio.Event | None = None  # set: the next generation (only) waits for it before its first token
         self.break_after = 2
         self.continues = False
         self.skip_special = True  # decoded text leaves special tokens out (SmolLM2's reply has none)
@@ -152,6 +153,7 @@ class FakeDecodeNode(FakeNode):
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        hold, self.hold = self.hold, None
         if self.down:
             return _error(503, "loading")
         if self.mode == "http_500":
@@ -177,6 +179,8 @@ class FakeDecodeNode(FakeNode):
         try:
             await self._write(resp, accepted)
             kv_tokens, fallback = await self._await_kv(rid)
+            if hold is not None:
+                await hold.wait()
             await self._tokens(request, resp, body, kv_tokens, fallback, start)
         except ConnectionResetError:
             self.disconnects.append(rid)
@@ -267,6 +271,7 @@ class FakePrefillNode(FakeNode):
         self.fail: str | None = None
         self.requests: list[dict] = []
         self.seconds_per_token = 0.0
+        self.hold: asyncio.Event | None = None  # set: the next call (only) computes until it is set
         self.running = self.max_running = 0
         self._engine = asyncio.Lock()
 
@@ -274,10 +279,13 @@ class FakePrefillNode(FakeNode):
         app.router.add_post("/v1/prefill", self._prefill)
 
     async def _compute(self, tokens: int) -> None:
+        hold, self.hold = self.hold, None
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
             async with self._engine:
+                if hold is not None:
+                    await hold.wait()
                 await asyncio.sleep(tokens * self.seconds_per_token)
         finally:
             self.running -= 1

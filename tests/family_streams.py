@@ -9,12 +9,23 @@ from pathlib import Path
 from tiny_models import write_family_tokenizer
 
 
-@lru_cache(maxsize=None)
 def family_tokenizers(family: str, root: str) -> tuple:
-    """(transformers tokenizer, mlx-lm TokenizerWrapper) for `family`, written under `root`."""
+    """(transformers tokenizer, mlx-lm TokenizerWrapper) for `family`, written under `root` by the first caller.
+
+    Loaded once per process, not per root: a family's folder is the same wherever it is written (loading both took
+    a second or two, in every test that wants a reference)."""
+    return _family_tokenizers(family, root if family not in _ROOTS else _ROOTS[family])
+
+
+_ROOTS: dict[str, str] = {}
+
+
+@lru_cache(maxsize=None)
+def _family_tokenizers(family: str, root: str) -> tuple:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from transformers import AutoTokenizer
 
+    _ROOTS[family] = root
     folder = write_family_tokenizer(Path(root) / family, family)
     return AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(folder)
 

@@ -80,7 +80,7 @@ async def test_queue_full_is_429_with_retry_after_from_the_queue(empty_config):
     c = await Cluster(gateway={"admission": {"max_inflight_tokens": 1, "max_queued_tokens": 100},
                                "rates": {"prefill_tokens_per_s": 10.0, "local_prefill_tokens_per_s": 1.0}}).start()
     try:
-        c.prefill.seconds_per_token = 0.03
+        gate = c.prefill.hold = asyncio.Event()  # the first prefill computes until the test lets it go
         first = [asyncio.create_task(c.chat(distinct(i))) for i in range(2)]  # one in flight, one queued
 
         async def queued() -> bool:
@@ -92,6 +92,7 @@ async def test_queue_full_is_429_with_retry_after_from_the_queue(empty_config):
         assert status == 429, err
         # ~140 prompt tokens ahead at the 10 tok/s prior: about 14 s, not the 1 s default
         assert int(headers["Retry-After"]) >= 10
+        gate.set()
         assert [r[0] for r in await asyncio.gather(*first)] == [200, 200]
         assert waiting_for_prefill(await health(c)) == [0]
     finally:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import tiny_models
 from test_cli import run, write
 from test_config_check import _twin
 
@@ -43,8 +44,10 @@ def _model():
 
 
 def test_decode_side_converted_by_mlx_lm(tmp_path):
+    """A tiny random llama stands in for the HF folder: the conversion is mlx-lm's own, whatever the weights."""
+    hf = tiny_models.build("llama", tmp_path / "hf")
     r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "decode",
-            "--hf", str(MODEL_DIR), "--bits", "8", cwd=tmp_path)
+            "--hf", str(hf), "--bits", "8", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fingerprints agree" in r.stdout and "mlx 8-bit (group 64)" in r.stdout and "float32" in r.stdout
     assert json.loads((tmp_path / "served" / "config.json").read_text())["quantization"]["bits"] == 8

@@ -209,13 +209,15 @@ async def test_upstream_failure_and_no_upstream_answer_503(make_cluster):
     assert await fallbacks(bare, "no_capacity") == 2
 
 
-async def _hold(c: Cluster, n: int) -> list[asyncio.Task]:
-    """n slow streaming requests in flight (the fake decode node sleeps between tokens)."""
+async def _hold(c: Cluster, n: int) -> tuple[list[asyncio.Task], asyncio.Event]:
+    """n streaming requests in flight (at most one a decode node), each held by its fake decode node before its first
+    token until the returned event is set."""
+    gate = asyncio.Event()
     for d in c.decoders:
-        d.token_delay = 0.2
+        d.hold = gate
     tasks = [asyncio.create_task(c.events("/v1/chat/completions", chat_body(max_tokens=8))) for _ in range(n)]
     await c.wait_for(lambda: _running(c, n))
-    return tasks
+    return tasks, gate
 
 
 async def _running(c: Cluster, n: int) -> bool:
@@ -224,7 +226,7 @@ async def _running(c: Cluster, n: int) -> bool:
 
 async def test_model_at_max_inflight_answers_429_with_retry_after(make_cluster):
     c = await make_cluster(route={"max_inflight": 1}, gateway={"retry_after_s": 3})
-    held = await _hold(c, 1)
+    held, gate = await _hold(c, 1)
     status, headers, body = await c.chat(chat_body())
     assert status == 429
     assert headers["Retry-After"] == "3"
@@ -233,6 +235,7 @@ async def test_model_at_max_inflight_answers_429_with_retry_after(make_cluster):
     assert status == 429 and headers["Retry-After"] == "3" and isinstance(body["error"], str)
     assert await fallbacks(c, "no_capacity") == 2
     assert await c.metric("disagg_requests_total", model=MODEL_ID, path="none", status="4xx") == 2
+    gate.set()
     for t in held:
         assert (await t)[0] == 200
     status, _, _ = await c.chat(chat_body(max_tokens=2))  # capacity is back
@@ -241,17 +244,19 @@ async def test_model_at_max_inflight_answers_429_with_retry_after(make_cluster):
 
 async def test_full_decode_nodes_spill_to_upstream_or_429(make_cluster):
     c = await make_cluster(nodes_extra={"decode-0": {"max_inflight": 1}})
-    held = await _hold(c, 1)
+    held, gate = await _hold(c, 1)
     status, headers, body = await c.chat(chat_body())
     assert status == 429 and headers["Retry-After"] == "1"
     assert "max_inflight" in body["error"]["message"]
+    gate.set()
     await asyncio.gather(*held)
 
     up = await make_cluster(upstream=True, nodes_extra={"decode-0": {"max_inflight": 1}})
-    held = await _hold(up, 1)
+    held, gate = await _hold(up, 1)
     status, headers, body = await up.chat(chat_body())
     assert status == 200 and headers["x-disagg-path"] == "upstream"
     assert headers["x-disagg-fallbacks"] == "upstream"
+    gate.set()
     await asyncio.gather(*held)
 
 

@@ -1,4 +1,5 @@
-"""The sender under a decode node that stops reading: its own transfer fails at the send timeout, a concurrent
+"""The sender under a decode node that stops reading: its own transfer fails at the send timeout (with room in the
+byte budget; a full budget is tests/test_kv_sender_budget.py), a concurrent
 transfer to a healthy receiver completes meanwhile, and queued host memory never passes the byte bound.
 """
 
@@ -63,8 +64,10 @@ def frames(sender: KVSender, tid: str, n: int, chunk: int, seed: int):
     return k, v
 
 
-def test_stalled_destination_fails_alone_within_the_byte_bound():
-    bound = 12 << 20  # queued KV per destination: the healthy transfer (8 MiB) fits, the stalled one (32 MiB) not
+def test_stalled_destination_fails_alone_at_the_send_timeout():
+    """The byte budget has room for all of it (test_kv_sender_budget.py covers a full one): only the send timeout
+    can fail the stalled transfer."""
+    bound = 64 << 20  # queued KV per destination: both the stalled transfer (32 MiB) and the healthy one fit
     sender = KVSender(max_bytes=bound, send_timeout_s=1.0)
     stalled = StalledReceiver()
 
@@ -81,15 +84,18 @@ def test_stalled_destination_fails_alone_within_the_byte_bound():
             await stuck
             want = await asyncio.to_thread(frames, sender, "healthy", 2048, 256, 2)
             got = await healthy.result(30)
-            await asyncio.to_thread(sender.flush)
+            flushed = threading.Thread(target=sender.flush, daemon=True)  # a hang here fails, not hangs, the test
+            flushed.start()
+            await asyncio.to_thread(flushed.join, 60)
+            assert not flushed.is_alive(), "the stalled transfer never failed: no send timeout"
             return want, got
         finally:
             await rx.stop()
     try:
         (k, v), got = asyncio.run(go())
     finally:
+        stalled.close()  # first: a sender blocked on it errors out, so shutdown does not wait
         sender.shutdown()
-        stalled.close()
     assert np.array_equal(got.keys, k) and np.array_equal(got.values, v)
     assert sender.stats.failed == ["stuck"] and "healthy" in sender.stats.finished
     assert sender.stats.peak_queued_bytes <= bound

@@ -29,19 +29,22 @@ def body(messages: list[dict], **kw) -> dict:
     return {"model": MODEL_ID, "messages": messages, "max_tokens": 4, **kw}
 
 
-async def busy(c: Cluster, node: int) -> asyncio.Task:
-    """A slow request that lands on decoders[node] (both idle: the first in the route's list gets it)."""
+async def busy(c: Cluster, node: int):
+    """A request that lands on decoders[node] (both idle: the first in the route's list gets it) and stays there,
+    held before its first token, until the returned awaitable is awaited: it lets the request finish."""
     assert all(d.running == 0 for d in c.decoders)
-    for d in c.decoders:
-        d.token_delay = 0.0
-    c.decoders[0].token_delay = 0.3
+    gate = c.decoders[0].hold = asyncio.Event()
     task = asyncio.create_task(c.chat(body(OTHER, max_tokens=8)))
 
     async def started() -> bool:
         return c.decoders[0].running == 1
 
     await c.wait_for(started)
-    return task
+
+    async def finish():
+        gate.set()
+        return await task
+    return finish()
 
 
 async def affinity(c: Cluster, outcome: str) -> float:
@@ -111,9 +114,7 @@ async def test_affinity_gives_way_when_its_node_is_too_busy(empty_config):
     c = await Cluster(n_decode=2, interval=30.0, gateway={"affinity_slack": 0}).start()
     try:
         await c.chat(body(TURN_1))  # both idle: decode-0, remembered
-        c.decoders[0].token_delay = 0.3
-        held = asyncio.create_task(c.chat(body(OTHER, max_tokens=8)))
-        await c.wait_for(lambda: _one_running(c, 0))
+        held = await busy(c, 0)
         skipped = await affinity(c, "skipped")
         status, headers, _ = await c.chat(body(TURN_2))  # its node has 1 in flight, decode-1 none: slack 0
         assert headers["x-disagg-decode-node"] == "decode-1"
@@ -121,10 +122,6 @@ async def test_affinity_gives_way_when_its_node_is_too_busy(empty_config):
         await held
     finally:
         await c.stop()
-
-
-async def _one_running(c: Cluster, i: int) -> bool:
-    return c.decoders[i].running == 1
 
 
 async def test_affinity_off(empty_config):
