@@ -15,7 +15,6 @@ import statistics
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -263,7 +262,7 @@ class _IntoBuffer(asyncio.BufferedProtocol):
 
 
 def asyncio_once(lt: LoopThread, per_layer: int, payload: bytes, mode: str) -> float:
-    """Raw bytes into the loop thread: `readexactly` per layer-sized frame (+ crc32 if mode says), or `into`."""
+    """Raw bytes into the loop thread: `readexactly` per layer-sized frame, or `into`."""
     total, port = L * per_layer, free_port()
     dest = bytearray(total)
 
@@ -272,9 +271,7 @@ def asyncio_once(lt: LoopThread, per_layer: int, payload: bytes, mode: str) -> f
 
         async def handle(reader, writer):
             for _ in range(L):
-                data = await reader.readexactly(per_layer)
-                if mode == "readexactly+crc32":
-                    zlib.crc32(data)
+                await reader.readexactly(per_layer)
             done.set_result(None)
             writer.close()
         if mode == "into":
@@ -326,11 +323,9 @@ def profile(lt: LoopThread, n: int, reps: int) -> None:
           f"(GB/s; ratio to raw recv_into in a plain thread):")
     raw = min(raw_once(frame, payload) for _ in range(reps))
     print(f"    {'raw recv_into (baseline)':<40}{L * frame / raw / 1e9:7.2f}   1.00x")
-    for mode in ("readexactly", "readexactly+crc32", "into"):  # the receiver used readexactly before it used into
+    for mode in ("readexactly", "into"):  # the receiver used readexactly before it used into
         t = min(asyncio_once(lt, frame, payload, mode) for _ in range(reps))
-        label = {"readexactly": "asyncio StreamReader.readexactly",
-                 "readexactly+crc32": "asyncio readexactly + zlib.crc32",
-                 "into": "asyncio BufferedProtocol recv_into"}[mode]
+        label = {"readexactly": "asyncio StreamReader.readexactly", "into": "asyncio BufferedProtocol recv_into"}[mode]
         print(f"    {label:<40}{L * frame / t / 1e9:7.2f}  {raw / t:5.2f}x")
     print(f"  pieces alone on one {frame / 1e6:.1f} MB frame (best of 5, GB/s, no sockets; buffers warm in cache):")
     for k, v in micro(frame).items():
