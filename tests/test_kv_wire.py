@@ -244,6 +244,28 @@ def test_corrupt_checksum_fails_the_transfer():
         asyncio.run(run_transfer(raw_send([hdr_frame(), bytes(frame)])))
 
 
+OPEN_ATTACKS = {
+    "flip a payload byte": lambda f: f[:-9] + bytes([f[-9] ^ 1]) + f[-8:],
+    "flip a checksum byte": lambda f: f[:-1] + bytes([f[-1] ^ 1]),
+    "truncate the checksum, then close": lambda f: f[:-3],
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("attack", list(OPEN_ATTACKS))
+def test_open_stream_refuses_altered_or_truncated_frames(attack, dtype):
+    """No secret: the xxh3 checksum guards each frame, on the in-place (float32) and buffered (float16) paths."""
+    k, v = (a.astype(dtype) for a in kv_data(10))
+    head = wire.json_frame(wire.HEADER, header("t1", 10, dtype=dtype).to_json())
+    frames = [kv_frame(layer, 0, k[layer], v[layer]) for layer in range(L)]
+    frames[1] = OPEN_ATTACKS[attack](frames[1])
+    if "close" in attack:
+        frames = frames[:2]
+    with pytest.raises(TransferError) as e:
+        asyncio.run(run_transfer(raw_send([head, *frames, wire.json_frame(wire.DONE, {})])))
+    assert e.value.reason == "kv_error"
+
+
 def test_done_before_all_kv_is_refused():
     k, v = kv_data(10)
     frames = [hdr_frame(), kv_frame(0, 0, k[0], v[0]), wire.json_frame(wire.DONE, {})]
