@@ -56,7 +56,7 @@ def run(lt: LoopThread, n: int, reps: int) -> dict[str, list[float]]:
     for label, (key, fm) in MODES.items():
         rx, port = KVReceiver(KVConfig(), key, fm), free_port()
         lt.call(rx.start("127.0.0.1", port))
-        ends[label] = (rx, port, KVSender(max_bytes=64 << 20, key=key, frame_mac=fm))
+        ends[label] = (rx, port, KVSender(key=key, frame_mac=fm))
     layers = kv_layers(n)
     times: dict[str, list[float]] = {label: [] for label in MODES}
     try:

@@ -15,7 +15,6 @@ import statistics
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -160,19 +159,21 @@ class _TimedDigest:
 
 
 class TimedWriter(_Writer):
-    """A destination's writer thread, timed: frame building (checksum of the payload) vs sendall (profiling only)."""
+    """A destination's writer thread, timed: hashing each piece (wire.frame_batches) vs sendmsg (profiling only)."""
 
-    def _dispatch(self, op, tid, arg):
-        t0 = time.perf_counter()
-        before = self.s.t["sendall"]
-        super()._dispatch(op, tid, arg)
-        if op == "kv":
-            self.s.t["frame build (checksum, mac)"] += time.perf_counter() - t0 - (self.s.t["sendall"] - before)
-
-    def _write(self, st, tid, parts):
-        t0 = time.perf_counter()
-        super()._write(st, tid, parts)
-        self.s.t["sendall"] += time.perf_counter() - t0
+    def _write(self, st, tid, batches):
+        def timed():
+            it = iter(batches)
+            while True:
+                t0 = time.perf_counter()
+                batch = next(it, None)
+                self.s.t["hash (checksum or tag)"] += time.perf_counter() - t0
+                if batch is None:
+                    return
+                yield batch
+        t0, before = time.perf_counter(), self.s.t["hash (checksum or tag)"]
+        super()._write(st, tid, timed())
+        self.s.t["sendmsg"] += time.perf_counter() - t0 - (self.s.t["hash (checksum or tag)"] - before)
 
 
 class TimedSender(KVSender):
@@ -180,7 +181,7 @@ class TimedSender(KVSender):
     writer_cls = TimedWriter
 
     def __init__(self):
-        self.t = {"frame build (checksum, mac)": 0.0, "sendall": 0.0}
+        self.t = {"hash (checksum or tag)": 0.0, "sendmsg": 0.0}
         super().__init__()
 
 
@@ -261,7 +262,7 @@ class _IntoBuffer(asyncio.BufferedProtocol):
 
 
 def asyncio_once(lt: LoopThread, per_layer: int, payload: bytes, mode: str) -> float:
-    """Raw bytes into the loop thread: `readexactly` per layer-sized frame (+ crc32 if mode says), or `into`."""
+    """Raw bytes into the loop thread: `readexactly` per layer-sized frame, or `into`."""
     total, port = L * per_layer, free_port()
     dest = bytearray(total)
 
@@ -270,9 +271,7 @@ def asyncio_once(lt: LoopThread, per_layer: int, payload: bytes, mode: str) -> f
 
         async def handle(reader, writer):
             for _ in range(L):
-                data = await reader.readexactly(per_layer)
-                if mode == "readexactly+crc32":
-                    zlib.crc32(data)
+                await reader.readexactly(per_layer)
             done.set_result(None)
             writer.close()
         if mode == "into":
@@ -316,7 +315,7 @@ def profile(lt: LoopThread, n: int, reps: int) -> None:
     print("  receiver loop thread, summed over frames:")
     for k, v in rx.t.items():
         print(f"    {k:<26}{v:8.3f} s  {v / total * 100:5.1f}% of wall")
-    print("  sender writer thread, summed over frames (sendall includes waiting for the receiver):")
+    print("  sender writer thread, summed over frames (sendmsg includes waiting for the receiver):")
     for k, v in sender.t.items():
         print(f"    {k:<26}{v:8.3f} s  {v / total * 100:5.1f}% of wall")
     payload = np.concatenate([np.concatenate([k.ravel(), v.ravel()]) for k, v in layers]).tobytes()
@@ -324,11 +323,9 @@ def profile(lt: LoopThread, n: int, reps: int) -> None:
           f"(GB/s; ratio to raw recv_into in a plain thread):")
     raw = min(raw_once(frame, payload) for _ in range(reps))
     print(f"    {'raw recv_into (baseline)':<40}{L * frame / raw / 1e9:7.2f}   1.00x")
-    for mode in ("readexactly", "readexactly+crc32", "into"):  # the receiver used readexactly before it used into
+    for mode in ("readexactly", "into"):  # the receiver used readexactly before it used into
         t = min(asyncio_once(lt, frame, payload, mode) for _ in range(reps))
-        label = {"readexactly": "asyncio StreamReader.readexactly",
-                 "readexactly+crc32": "asyncio readexactly + zlib.crc32",
-                 "into": "asyncio BufferedProtocol recv_into"}[mode]
+        label = {"readexactly": "asyncio StreamReader.readexactly", "into": "asyncio BufferedProtocol recv_into"}[mode]
         print(f"    {label:<40}{L * frame / t / 1e9:7.2f}  {raw / t:5.2f}x")
     print(f"  pieces alone on one {frame / 1e6:.1f} MB frame (best of 5, GB/s, no sockets; buffers warm in cache):")
     for k, v in micro(frame).items():

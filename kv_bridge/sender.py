@@ -175,7 +175,8 @@ class _Writer:
                     if ready is not None:
                         ready()
                     ks, vs = (1.0, 1.0) if scales is None else (float(scales[0]), float(scales[1]))
-                    self._write(st, tid, _seal(st, wire.kv_frame_parts(layer, start, k, v, ks, vs)))
+                    self._write(st, tid, wire.frame_batches(wire.KV, wire.kv_body(layer, start, k, v, ks, vs),
+                                                            st.mac))
             finally:
                 self.budget.give(n)
                 if release is not None:
@@ -206,9 +207,10 @@ class _Writer:
             self._fail(st, hdr.transfer_id, f"cannot open KV stream to {host}:{port}: {e}")
         return st
 
-    def _write(self, st: _Stream, tid: str, parts: list) -> None:
+    def _write(self, st: _Stream, tid: str, batches) -> None:
+        """One frame, batch by batch (wire.frame_batches: each batch hashed just before it goes)."""
         try:
-            n = sendall_parts(st.sock, parts)
+            n = sum(sendall_parts(st.sock, batch) for batch in batches)
             st.frames += 1
             st.bytes += n
             self.s.stats.sent_bytes += n
@@ -221,7 +223,8 @@ class _Writer:
         try:
             if st.failed is None:
                 ftype, body = (wire.DONE, {"frames": st.frames}) if error is None else (wire.ERROR, {"message": error})
-                st.sock.sendall(b"".join(_seal(st, wire.frame_parts(ftype, json.dumps(body).encode()))))
+                st.sock.sendall(b"".join(b"".join(batch) for batch in
+                                         wire.frame_batches(ftype, [json.dumps(body).encode()], st.mac)))
                 if error is None:
                     self.s.stats.finished.append(tid)
         except OSError as e:
@@ -240,10 +243,6 @@ class _Writer:
 
 
 KVSender.writer_cls = _Writer
-
-
-def _seal(st: _Stream, parts: list) -> list:
-    return parts if st.mac is None else st.mac.seal(parts)
 
 
 def sendall_parts(sock: socket.socket, parts: list) -> int:

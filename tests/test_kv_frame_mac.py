@@ -1,6 +1,6 @@
-"""Per-frame KV tags (wire version 3): keyed BLAKE3 chained from the HMAC-SHA256 header signature, checked against
-the published blake3 package; tampered, reordered or truncated frames refused over real sockets, on the in-place
-(float32) and the buffered (float16) receive paths alike."""
+"""Per-frame KV tags (wire version 4: keyed BLAKE3 chained from the HMAC-SHA256 header signature, in place of the
+frame's checksum), checked against the published blake3 package; tampered, reordered or truncated frames refused
+over real sockets, on the in-place (float32) and the buffered (float16) receive paths alike."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_sender_tags_are_keyed_blake3_chained_from_the_header_hmac():
     srv.close()
 
     hdr = got["header"]
-    assert hdr["version"] == 3 and hdr["frame_mac"] is True
+    assert hdr["version"] == 4 and hdr["frame_mac"] is True
     fields = [hdr[f] for f in ("version", "transfer_id", "fingerprint", "num_layers", "num_kv_heads", "head_dim",
                                "dtype", "start", "num_tokens", "frame_mac")]
     signed = b"disagg kv header\0" + json.dumps(fields, separators=(",", ":")).encode()
@@ -84,8 +84,8 @@ def test_sender_tags_are_keyed_blake3_chained_from_the_header_hmac():
     prev, rest, types = bytes.fromhex(hdr["auth"]), memoryview(got["rest"]), []
     while rest:
         ftype, length = wire.PREFIX.unpack_from(rest)
-        end = wire.PREFIX.size + length + wire.checksum_size(ftype)
-        body, tag = rest[wire.PREFIX.size:wire.PREFIX.size + length], bytes(rest[end:end + 32])
+        end = wire.PREFIX.size + length  # the tag follows the body: a tagged frame carries no checksum
+        body, tag = rest[wire.PREFIX.size:end], bytes(rest[end:end + 32])
         want = blake3.blake3(prev + bytes(rest[:wire.PREFIX.size]) + bytes(body), key=frame_key).digest()
         assert tag == want
         prev, rest = tag, rest[end + 32:]
@@ -113,11 +113,11 @@ def test_authenticated_float32_frames_are_received_in_place(monkeypatch):
 
 
 def _flip(frame: bytes, offset: int) -> bytes:
-    """Change one byte at `offset` of the body and fix the checksum, as an on-path attacker would; the tag stays."""
+    """Change one byte at `offset` of the body, as an on-path attacker would (no checksum to fix); the tag stays."""
     ftype, length = wire.PREFIX.unpack_from(frame)
     body = bytearray(frame[wire.PREFIX.size:wire.PREFIX.size + length])
     body[offset] ^= 1
-    return b"".join(bytes(p) for p in wire.frame_parts(ftype, bytes(body))) + frame[-wire.TAG_BYTES:]
+    return frame[:wire.PREFIX.size] + bytes(body) + frame[-wire.TAG_BYTES:]
 
 
 ATTACKS = {

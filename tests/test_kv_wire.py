@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import socket
@@ -11,6 +12,7 @@ import threading
 import time
 import zlib
 
+import blake3
 import numpy as np
 import pytest
 import xxhash
@@ -18,7 +20,7 @@ import xxhash
 from kv_bridge import wire
 from kv_bridge.config import KVConfig
 from kv_bridge.vllm.layouts import layout_for
-from kv_bridge.receiver import KVReceiver, TransferError
+from kv_bridge.receiver import KVReceiver, TransferError, _FrameProtocol
 from kv_bridge.sender import KVSender, sendall_parts
 from stack import free_port, send_then_drain
 
@@ -38,9 +40,9 @@ def kv_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((L, H, n, D), np.float32), rng.standard_normal((L, H, n, D), np.float32)
 
 
-async def run_transfer(send, n: int = 10, cfg: KVConfig | None = None, spec: dict = SPEC):
+async def run_transfer(send, n: int = 10, cfg: KVConfig | None = None, spec: dict = SPEC, rx_cls=KVReceiver):
     """Start a receiver, expect one transfer, let `send(port, tid)` (run in a thread) deliver it."""
-    rx = KVReceiver(cfg or KVConfig())
+    rx = rx_cls(cfg or KVConfig())
     port = free_port()
     await rx.start("127.0.0.1", port)
     try:
@@ -74,32 +76,58 @@ def test_sender_to_receiver_roundtrip_in_chunks():
     assert got.nbytes == k.nbytes + v.nbytes
 
 
+class _TakenReceiver(KVReceiver):
+    """A receiver that tells the sending thread how many bytes its connection has taken off the socket."""
+
+    taken = 0
+    cond = threading.Condition()
+
+    class protocol_cls(_FrameProtocol):
+        def buffer_updated(self, nbytes: int) -> None:
+            super().buffer_updated(nbytes)
+            with _TakenReceiver.cond:
+                _TakenReceiver.taken += nbytes
+                _TakenReceiver.cond.notify_all()
+
+
 def test_link_time_counts_bytes_on_the_way_not_the_gaps_between_frames():
-    """The learned link rate's clock: a frame that arrives in two halves 0.3 s apart counts those 0.3 s; the 0.4 s
-    pauses between frames (the prefill computing the next layer) do not."""
+    """The learned link rate's clock: a frame whose second half comes 0.3 s after the receiver took its first half
+    counts those 0.3 s; the 0.4 s pauses between frames (the prefill computing the next layer) do not. The sender
+    waits until the receiver has taken what was sent before each pause, so a late loop cannot shorten one."""
     k, v = kv_data(10)
+    _TakenReceiver.taken = 0
 
     def send(port, tid):
+        sent = 0
+
+        def put(s, data: bytes) -> None:  # send, then wait until the receiver has read it all
+            nonlocal sent
+            s.sendall(data)
+            sent += len(data)
+            with _TakenReceiver.cond:
+                assert _TakenReceiver.cond.wait_for(lambda: _TakenReceiver.taken >= sent, timeout=10)
+
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(hdr_frame(tid, 10))
+            put(s, hdr_frame(tid, 10))
+            s.recv(wire.PREFIX.size + 2 + wire.CRC.size, socket.MSG_WAITALL)  # ACK ({})
             for layer in range(L):
                 frame = kv_frame(layer, 0, k[layer], v[layer])
                 if layer == 0:
-                    s.sendall(frame[:len(frame) // 2])
+                    put(s, frame[:len(frame) // 2])
                     time.sleep(0.3)
-                    s.sendall(frame[len(frame) // 2:])
+                    put(s, frame[len(frame) // 2:])
                 else:
                     time.sleep(0.4)
-                    s.sendall(frame)
+                    put(s, frame)
             s.sendall(wire.json_frame(wire.DONE, {}))
             s.shutdown(socket.SHUT_WR)
             while s.recv(1 << 16):
                 pass
 
-    got = asyncio.run(run_transfer(send))
+    got = asyncio.run(run_transfer(send, rx_cls=_TakenReceiver))
     assert np.array_equal(got.keys, k)
-    assert got.link_s >= 0.2  # the half-frame wait (less whatever the receiver's loop was late for the first half)
-    assert got.seconds - got.link_s >= 3 * 0.4 - 0.1  # the pauses between frames are not link time
+    assert got.link_s >= 0.3  # the half-frame wait, all of it
+    assert got.seconds - got.link_s >= 3 * 0.4  # the pauses between frames are not link time
 
 
 def test_fingerprint_mismatch_names_both_sides():
@@ -152,6 +180,45 @@ def test_kv_frames_carry_xxh3_json_frames_crc32():
     assert wire.CRC.unpack(ack[-wire.CRC.size:])[0] == zlib.crc32(ack[wire.PREFIX.size:-wire.CRC.size])
 
 
+@pytest.mark.parametrize("secret", [False, True])
+def test_frame_batches_hash_piece_by_piece_to_the_whole_frames_trailer(secret):
+    """The sender hashes a payload HOT_BYTES at a time, each piece just before it is sent: the trailer must still be
+    the whole body's xxh3_64 (open) or keyed-BLAKE3 tag (checked with the xxhash and blake3 packages)."""
+    k, v = kv_data(700)  # 1.1 MB a frame: several pieces, the last one short
+    body = wire.kv_body(2, 0, k[2], v[2])
+    mac = wire.FrameMac(b"k" * 32, "ab" * 32) if secret else None
+    batches = [b"".join(bytes(p) for p in batch) for batch in wire.frame_batches(wire.KV, body, mac)]
+    assert len(batches) > 4 and all(len(b) <= wire.HOT_BYTES + wire.PREFIX.size for b in batches[:-1])
+    frame, want_body = b"".join(batches), b"".join(bytes(p) for p in body)
+    assert frame[:wire.PREFIX.size] == wire.PREFIX.pack(wire.KV, len(want_body))
+    assert frame[wire.PREFIX.size:wire.PREFIX.size + len(want_body)] == want_body
+    trailer = frame[wire.PREFIX.size + len(want_body):]
+    if secret:
+        key = blake3.blake3(b"k" * 32, derive_key_context=wire.FRAME_KEY_CONTEXT).digest()
+        assert trailer == blake3.blake3(bytes.fromhex("ab" * 32) + frame[:-32], key=key).digest()
+    else:
+        assert trailer == wire.XXH.pack(xxhash.xxh3_64_intdigest(want_body))
+
+
+@pytest.mark.parametrize("secret", [False, True])
+def test_frames_larger_than_a_hashed_piece_arrive_whole(secret):
+    """KVSender -> KVReceiver with 1.1 MB frames, open (checksum) and with frame MACs (tag only)."""
+    k, v = kv_data(700)
+    key = b"s" * 32 if secret else None
+
+    def send(port, tid):
+        s = KVSender(max_bytes=64 << 20, key=key)
+        s.open(header(tid, 700), "127.0.0.1", port)
+        for layer in range(L):
+            s.send_layer(tid, layer, 0, k[layer], v[layer])
+        s.close(tid)
+        s.flush()
+        s.shutdown()
+        assert s.stats.finished == [tid]
+    got = asyncio.run(run_transfer(send, n=700, rx_cls=functools.partial(KVReceiver, key=key)))
+    assert np.array_equal(got.keys, k) and np.array_equal(got.values, v)
+
+
 def test_sendall_parts_survives_partial_writes():
     """sendmsg writes what the socket buffer takes; the rest must follow, in order, from the right offset."""
     rng = np.random.default_rng(5)
@@ -175,6 +242,28 @@ def test_corrupt_checksum_fails_the_transfer():
     frame[100] ^= 0xFF
     with pytest.raises(TransferError, match="checksum"):
         asyncio.run(run_transfer(raw_send([hdr_frame(), bytes(frame)])))
+
+
+OPEN_ATTACKS = {
+    "flip a payload byte": lambda f: f[:-9] + bytes([f[-9] ^ 1]) + f[-8:],
+    "flip a checksum byte": lambda f: f[:-1] + bytes([f[-1] ^ 1]),
+    "truncate the checksum, then close": lambda f: f[:-3],
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("attack", list(OPEN_ATTACKS))
+def test_open_stream_refuses_altered_or_truncated_frames(attack, dtype):
+    """No secret: the xxh3 checksum guards each frame, on the in-place (float32) and buffered (float16) paths."""
+    k, v = (a.astype(dtype) for a in kv_data(10))
+    head = wire.json_frame(wire.HEADER, header("t1", 10, dtype=dtype).to_json())
+    frames = [kv_frame(layer, 0, k[layer], v[layer]) for layer in range(L)]
+    frames[1] = OPEN_ATTACKS[attack](frames[1])
+    if "close" in attack:
+        frames = frames[:2]
+    with pytest.raises(TransferError) as e:
+        asyncio.run(run_transfer(raw_send([head, *frames, wire.json_frame(wire.DONE, {})])))
+    assert e.value.reason == "kv_error"
 
 
 def test_done_before_all_kv_is_refused():
