@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.cluster.rates import DISAGGREGATED, LOCAL, Rate, Rates, choose_path
+from gateway.cluster.rates import DISAGGREGATED, INGEST_TOKENS_PER_S, LOCAL, Rate, Rates, choose_path
 from kv_bridge.config import RatesConfig
 
 
@@ -64,7 +64,8 @@ def test_cost_model_prefers_the_queue_until_it_costs_more_than_local():
                               prior_weight_s=1.0))
     kv = 1000  # bytes per token
     idle = rates.costs("p0", "d0", 1500, kv_bytes_per_token=kv)
-    assert idle.disaggregated == pytest.approx(1.5 + 1500 * kv / 1e8)
+    # The transfer (0.015 s) runs under the prefill; the decode node's ingest at its prior follows it.
+    assert idle.disaggregated == pytest.approx(1.5 + 1500 / INGEST_TOKENS_PER_S)
     assert idle.local == pytest.approx(1500 / 16)
     assert choose_path(idle, 1499, min_disagg_tokens=3) == DISAGGREGATED
     # 24k tokens queued ahead: 25.5 s of waiting still beats 94 s of local prefill; a queue of 100k does not.
@@ -105,3 +106,23 @@ def test_floor_and_no_prefill_node():
     assert choose_path(rates.costs("p0", "d0", 3000), kv_tokens=2, min_disagg_tokens=3) == LOCAL
     none = rates.costs(None, "d0", 3000)
     assert none.disaggregated is None and choose_path(none, 2999, 3) == LOCAL
+
+
+def test_transfer_overlaps_the_prefill_and_the_ingest_follows_it():
+    """What `make site` showed (docs/site.md): a 3.7k-token prompt's KV lands as the prefill ends, and the decode
+    node's first token comes ~0.9 s later. The prediction takes the slower of prefill and link, plus the queue and
+    the ingest learned per (decode node, model)."""
+    rates = Rates(RatesConfig(prefill_tokens_per_s=1000, link_bytes_per_s=1e7, prior_weight_s=0.01))
+    fast_link = rates.disaggregated_ttft("p0", "d0", 3000, 0, kv_bytes_per_token=1000, model="m")
+    assert fast_link == pytest.approx(3.0 + 3000 / INGEST_TOKENS_PER_S)  # not 3 s + 0.3 s of link
+    slow_link = rates.disaggregated_ttft("p0", "d0", 3000, 0, kv_bytes_per_token=20_000, model="m")
+    assert slow_link == pytest.approx(6.0 + 3000 / INGEST_TOKENS_PER_S)  # the link is the bottleneck
+    queued = rates.disaggregated_ttft("p0", "d0", 3000, 2000, kv_bytes_per_token=1000, model="m")
+    assert queued == pytest.approx(fast_link + 2.0)
+    for _ in range(20):
+        rates.observe_ingest("d0", 3700, 0.9, model="m")
+    assert rates.ingest_rate("d0", "m").value == pytest.approx(3700 / 0.9, rel=0.01)
+    assert rates.ingest_rate("d0", "other").value == INGEST_TOKENS_PER_S  # per model, as the local rate
+    learned = rates.disaggregated_ttft("p0", "d0", 3700, 0, kv_bytes_per_token=1000, model="m")
+    assert learned == pytest.approx(3.7 + 0.9, rel=0.01)
+    assert rates.snapshot()["ingest_tokens_per_s"]["d0/m"]["samples"] == 20

@@ -206,7 +206,7 @@ def test_auth_is_on(site):
 
 def test_grading_burst_answers_json_on_both_decode_nodes(site):
     """Both models at once, 1-3k-token prompts, format json: every answer parses, both Macs decode, KV crosses."""
-    jobs = [(model, notebook(cells, f"{model}-{i}")) for i, cells in enumerate([18, 30, 42])
+    jobs = [(model, notebook(cells, f"{model}-{i}")) for i, cells in enumerate([18, 42])
             for model in (SMOL, OSS)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: grade(site, *job), jobs))
@@ -288,12 +288,82 @@ def test_kv_link_cut_mid_transfer_falls_back_and_loses_nothing(site):
     assert status == 200 and headers["x-disagg-path"] == "disaggregated", headers
 
 
-def test_link_rate_learned_is_the_shaped_rate(site):
-    """Sequential long prompts, one transfer at a time: /health's learned spark-0 -> Mac rate is within 25% of
-    [site] link_bytes_per_s, though the router's prior is the site's 10GbE (8x more)."""
-    for i in range(10):
-        status, _, body = grade(site, SMOL, notebook(40, f"link-{i}"), num_predict=1)
-        assert status == 200, body
+LONG_CELLS = 50  # ~3.4k tokens of SmolLM2: its KV ~40 MB on the fp8 wire, ~0.5 s on the shaped link
+WARM, TRIES = 3, 6  # same-length prompts before the first judged one; judged tries at most
+STEADY = 0.15  # the last 4 requests' CPU shares within this of their mean: the machine's speed held
+QUIET = 0.3  # cores that anything but the site used (or the hypervisor stole) during each of them, at most
+
+
+def cpu_s(site: Site) -> tuple[float, float]:
+    """(CPU seconds the site's processes, the launcher and all its descendants, have used; CPU seconds the whole
+    machine has been busy or had stolen), user + system."""
+    import psutil
+
+    site_s = 0.0
+    for p in [psutil.Process(site.proc.pid), *psutil.Process(site.proc.pid).children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            site_s += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    m = psutil.cpu_times()
+    return site_s, sum(getattr(m, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def quiet(site: Site) -> dict:
+    """/health once nothing runs: no generation on any node, nothing admitted or queued for a prefill node."""
+    for _ in range(120):
+        h = health(site)
+        gates = h.get("admission", {}).values()
+        if not any(n["inflight"] for n in h["nodes"]) and not any(
+                g["inflight_tokens"] or g["queued_tokens"] for g in gates):
+            return h
+        time.sleep(0.5)
+    raise AssertionError(f"the site never went quiet: {h}")
+
+
+@pytest.fixture(scope="module")
+def long_prompts(site):
+    """Long SmolLM2 prompts one at a time on a quiet site (what the link rate and the TTFT prediction learn from):
+    each row (measured TTFT from Ollama's prompt_eval_duration, the gateway's prediction from the request's
+    x-disagg-predicted-ttft-ms, the site's CPU share over the request, the request's headers). The first WARM rows
+    warm the engines and teach the router this length at this moment's speed; then up to TRIES more until one ran
+    ran while the site had the CPU share it had for the three before it and the machine to itself for all four (the
+    shared machine's other jobs come and go; a quiet machine passes at the first)."""
+    rows = []
+
+    def one(i: int) -> dict:
+        quiet(site)
+        (site0, machine0), t0 = cpu_s(site), time.monotonic()
+        body = {"model": SMOL, "prompt": notebook(LONG_CELLS, f"long-{i}"), "stream": False,
+                "options": {"num_predict": 1, "temperature": 0}}
+        status, headers, out = call(site, "/api/generate", body)
+        assert status == 200 and headers["x-disagg-path"] == "disaggregated", (headers, out)
+        (site1, machine1), wall = cpu_s(site), time.monotonic() - t0
+        row = {"ttft": out["prompt_eval_duration"] / 1e9, "predicted": float(headers["x-disagg-predicted-ttft-ms"])
+               / 1000, "share": (site1 - site0) / wall, "foreign": (machine1 - machine0 - (site1 - site0)) / wall,
+               "headers": headers, "load": os.getloadavg()[0]}
+        rows.append(row)
+        print(f"long prompt {i}: {out['prompt_eval_count']} tokens on {headers['x-disagg-decode-node']}, TTFT "
+              f"{row['ttft']:.2f}s, predicted {row['predicted']:.2f}s ({row['ttft'] / row['predicted']:.2f}), site "
+              f"CPU share {row['share']:.2f}, other jobs {row['foreign']:.2f} cores, load {row['load']:.1f}")
+        return row
+
+    for i in range(WARM):
+        one(i)
+    for i in range(WARM, WARM + TRIES):
+        one(i)
+        window = [r["share"] for r in rows[-4:]]
+        mean = sum(window) / len(window)
+        if all(abs(share / mean - 1) <= STEADY for share in window) and all(
+                r["foreign"] <= QUIET for r in rows[-4:]):
+            return {"rows": rows, "judged": rows[-1]}
+    return {"rows": rows, "judged": None}
+
+
+def test_link_rate_learned_is_the_shaped_rate(site, long_prompts):
+    """After the long prompts (one transfer at a time), /health's learned spark-0 -> Mac rate is within 25% of
+    [site] link_bytes_per_s, though the router's prior is the site's 10GbE (15x more)."""
     links = health(site)["rates"]["link_bytes_per_s"]
     learned = {k: v for k, v in links.items() if k.startswith("spark-0->") and v["samples"] >= 3}
     assert learned, links
@@ -302,3 +372,20 @@ def test_link_rate_learned_is_the_shaped_rate(site):
         print(f"{pair}: learned {rate['value'] / 1e6:.1f} MB/s, shaped {shaped / 1e6:.1f} MB/s")
         assert abs(rate["value"] - shaped) <= 0.25 * shaped, (pair, rate)
 
+
+def test_long_prompt_ttft_is_the_cost_models_prediction(site, long_prompts):
+    """A long prompt's time to first token (Ollama's prompt_eval_duration: path choice to first token, on the
+    gateway's clock) is within 25% of what the gateway predicted for it when it chose the path (its
+    x-disagg-predicted-ttft-ms: the queue, prefill and link at their learned rates, overlapped, and the decode
+    node's learned ingest). Judged only on a request during which the site got the CPU share it had for the three
+    before it, from which the rates were learned, with no other job using more than QUIET cores during any of them:
+    on this shared 2-core machine other jobs swing the prefill by 2x between minutes, which no prediction from the
+    past can know (at the same CPU share too: 15.3 s, then 19.6 s)."""
+    ingest = health(site)["rates"]["ingest_tokens_per_s"]
+    assert sum(r["samples"] for k, r in ingest.items() if k.endswith(f"/{SMOL}")) >= WARM, ingest
+    judged = long_prompts["judged"]
+    if judged is None:
+        seen = [(round(r["share"], 2), round(r["foreign"], 2)) for r in long_prompts["rows"]]
+        pytest.skip(f"the machine was never the site's for 4 long prompts running: (site CPU share, other jobs' "
+                    f"cores) {seen}")
+    assert abs(judged["ttft"] / judged["predicted"] - 1) <= 0.25, judged

@@ -57,17 +57,20 @@ class Generation:
     def __init__(self, client: NodeClient, lease: Lease, route: ModelRoute, decode: NodeState,
                  prefill: NodeState | None, prompt: list[int], fallbacks: list[str] | None = None, *,
                  ticket: Ticket | None = None, rates: Rates | None = None,
-                 reroute: PrefillRoute | None = None) -> None:
+                 reroute: PrefillRoute | None = None, predicted_ttft_s: float | None = None) -> None:
         self._client, self._lease, self._metrics = client, lease, client.pool.metrics
         self._ticket, self._rates, self._reroute = ticket, rates, reroute  # admission to `prefill`; learned rates
         self.route, self.decode, self.prefill, self.prompt = route, decode, prefill, prompt
         self.fallbacks = list(fallbacks or [])  # reasons, in the order they happened
+        self.predicted_ttft_s = predicted_ttft_s  # the cost model's time to first token of the chosen path
         self.request_id = _new_request_id()
         self.kv_requested = prefill is not None
         self.kv_start = 0  # leading prompt tokens whose KV the decode node already holds (its `accepted` line)
         self.done: DoneLine | None = None
         self.prefill_s: float | None = None  # wall time of the prefill call, set when it answered 200
         self.prefill_ms = 0.0  # wall time of the prefill call, whatever it answered
+        self._prefill_span: tuple[float, float] | None = None  # (start, answer) of the call that answered 200
+        self._first_at: float | None = None  # when the first token arrived (monotonic)
         self._resp: aiohttp.ClientResponse | None = None
         self._prefill_task: asyncio.Task | None = None
         self._closed = False
@@ -97,6 +100,8 @@ class Generation:
         }
         if self.fallbacks:
             out["x-disagg-fallbacks"] = ",".join(self.fallbacks)
+        if self.predicted_ttft_s is not None:
+            out["x-disagg-predicted-ttft-ms"] = f"{self.predicted_ttft_s * 1000.0:.1f}"
         return out
 
     async def open(self, sampling: Sampling) -> None:
@@ -168,6 +173,8 @@ class Generation:
                 raise UpstreamError(f"decode node {self.decode.name} ended the stream without a done line")
             kind = msg.get("type")
             if kind == "token":
+                if self._first_at is None:
+                    self._first_at = time.monotonic()
                 yield self._parse(TokenLine, msg)
             elif kind == "done":
                 self.done = self._parse(DoneLine, msg)
@@ -183,12 +190,20 @@ class Generation:
     def _learn(self, d: DoneLine) -> None:
         """The done line's timings feed the learned rates: link bytes/s and KV size from a transfer, the decode
         node's local prefill tokens/s from a prompt it computed itself."""
+        log.debug("%s on %s: %d prompt tokens (%d KV, %d computed), predicted TTFT %.3fs; prefill call %.3fs, "
+                  "KV %.3fs (link %.3fs, %d B), decode TTFT %.3fs", self.request_id, self.decode.name,
+                  d.prompt_tokens, d.kv_tokens, d.computed_tokens, self.predicted_ttft_s or 0.0, self.prefill_s or 0.0,
+                  d.kv_transfer_s, d.kv_link_s, d.kv_bytes, d.ttft_s)
         if self._rates is None:
             return
         if d.kv_tokens > 0 and d.kv_bytes > 0:
             self._rates.observe_kv_size(self.route.id, d.kv_tokens, d.kv_bytes)
             if self.prefill is not None:
                 self._rates.observe_link(self.prefill.name, self.decode.name, d.kv_bytes, d.kv_link_s)
+            if self._prefill_span is not None and self._first_at is not None:
+                start, answered = self._prefill_span
+                landed = max(answered, start + d.kv_link_s)
+                self._rates.observe_ingest(self.decode.name, d.kv_tokens, self._first_at - landed, self.route.id)
         elif d.computed_tokens >= _MIN_LOCAL_SAMPLE and d.ttft_s > 0:
             self._rates.observe_local(self.decode.name, d.computed_tokens, d.ttft_s, self.route.id)
 
@@ -292,6 +307,7 @@ class Generation:
                 if resp.status == 200:
                     await resp.read()
                     self.prefill_s = time.monotonic() - t0
+                    self._prefill_span = (t0, t0 + self.prefill_s)
                     if self._rates is not None:
                         tokens = len(self.prompt) - 1 - self.kv_start
                         self._rates.prefill_call_done(node.name, tokens, t0, time.monotonic())

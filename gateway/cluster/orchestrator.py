@@ -72,23 +72,28 @@ class Orchestrator:
         transfer), unless the decode node prefilling the prompt itself (behind its other local prefills) is sooner by
         more than the stall that would impose on the node's other generations (gateway/cluster/rates.py, `local_stall`).
         `leased`: the asking generation already holds a lease on `decode` (a reroute), so it is not one of them."""
+        return self.plan(route, prompt, decode, exclude, leased)[0]
+
+    def plan(self, route: ModelRoute, prompt: list[int], decode: NodeState, exclude: list[str] = (),
+             leased: bool = False) -> tuple[NodeState | None, float]:
+        """(the prefill node to wait for or None, the predicted seconds to first token of the path chosen)."""
         kv_tokens = len(prompt) - 1
         if kv_tokens < route.min_disagg_tokens:
-            return None
+            return None, self.rates.local_ttft(decode.name, kv_tokens, decode.local_tokens, route.id)
         others = max(0, decode.inflight - leased)
         priced = [(self.rates.costs(node.name, decode.name, kv_tokens, tokens_ahead=self.admission.node(
             node.name).tokens_ahead, batch_tokens=decode.local_tokens, others=others, arriving=decode.waiting,
             kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0)), model=route.id), node)
             for node in self.pool.available(route.prefill, exclude)]
         if not priced:
-            return None
+            return None, self.rates.local_ttft(decode.name, kv_tokens, decode.local_tokens, route.id)
         costs, node = min(priced, key=lambda cn: cn[0].disaggregated)
         if choose_path(costs, kv_tokens, route.min_disagg_tokens) == DISAGGREGATED:
-            return node
+            return node, costs.disaggregated
         log.info("%d prompt tokens go local on %s: predicted TTFT %.1fs + %.1fs of stall to %d generations there "
                  "(%d on the way), against %.1fs waiting for %s", kv_tokens, decode.name, costs.local, costs.stall,
                  others, decode.waiting, costs.disaggregated, node.name)
-        return None
+        return None, costs.local
 
     async def _admit(self, route: ModelRoute, node: NodeState, tokens: int) -> Ticket:
         return await self.admission.node(node.name).acquire(route.id, tokens)
@@ -166,7 +171,7 @@ class Orchestrator:
         """A generation on `decode`, its path chosen by cost. A disaggregated one waits here for its prefill node's
         admission (arrival order, fair per model; RateLimited past the queue) before the decode node is asked, so
         queueing never runs down the decode node's no-progress deadline."""
-        prefill = self.choose_prefill(route, prompt, decode)
+        prefill, predicted = self.plan(route, prompt, decode)
         self.metrics.path_choice.labels(route.id, "disaggregated" if prefill else "local").inc()
         ticket = None
         if prefill is not None:
@@ -179,7 +184,7 @@ class Orchestrator:
                                lambda node, tokens: self._admit(route, node, tokens), self.prefill_stall_s)
         lease = self._lease(route, decode, prefix, 0 if prefill else len(prompt))
         return Generation(self.client, lease, route, decode, prefill, prompt, fallbacks, ticket=ticket,
-                          rates=self.rates, reroute=reroute)
+                          rates=self.rates, reroute=reroute, predicted_ttft_s=predicted)
 
     def _remembered(self, route: ModelRoute, prefix: list[bytes]) -> str | None:
         """The decode node that served this prompt's longest remembered prefix, if it is in the model's pool."""
