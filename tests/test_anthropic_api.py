@@ -277,3 +277,15 @@ async def test_claude_code_first_request_is_served(tmp_path, empty_config, templ
         await client.close()
     finally:
         await c.stop()
+
+
+async def test_claude_code_on_a_model_without_tools_is_a_clear_400(local_cluster):
+    """The embedded SmolLM2's template renders no tools: Claude Code's request gets a 400 that says so, in
+    Anthropic's shape (what `claude -p` prints against `make serve`)."""
+    client = _client(local_cluster)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        await client.post("/v1/messages?beta=true", body={**_claude_body(), "model": MODEL_ID}, cast_to=Message,
+                          stream=True, stream_cls=anthropic.AsyncStream[RawMessageStreamEvent])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "does not support tools" in e.value.body["error"]["message"]
+    await client.close()

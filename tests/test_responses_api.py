@@ -261,3 +261,14 @@ async def test_codex_request_answered_whole(coder):
     (call,) = r.output
     assert (call.name, call.namespace, json.loads(call.arguments)) == ("exec_command", None, {"cmd": "ls"})
     await client.close()
+
+
+async def test_codex_on_a_model_without_tools_is_a_clear_400(local_cluster):
+    """The embedded SmolLM2's template renders no tools: Codex's request gets a 400 that says so, in OpenAI's
+    shape, before any stream opens (what `codex exec` prints against `make serve`)."""
+    client = _client(local_cluster)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.post("/responses", body={**_codex_body(), "model": MODEL_ID}, cast_to=Response, stream=True,
+                          stream_cls=openai.AsyncStream[ResponseStreamEvent])
+    assert e.value.body["param"] == "tools" and "does not support tools" in e.value.body["message"]
+    await client.close()
