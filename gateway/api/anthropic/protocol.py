@@ -1,6 +1,6 @@
 """Anthropic Messages API requests (pydantic) and their translation into the chat request the gateway runs:
 `system` and content blocks become chat messages (tool_use as assistant `tool_calls`, tool_result as `tool`
-messages), `system`-role messages (Anthropic's mid-conversation system messages) system messages in place, tools and
+messages, `system`-role messages, Anthropic's mid-conversation system messages, system messages), tools and
 tool_choice their chat forms, `stop_sequences` the stop strings."""
 
 from __future__ import annotations
