@@ -193,8 +193,9 @@ READ = "<tool_call>\n<function=Read>\n<parameter=file_path>\n/etc/hostname\n</pa
 # as Qwen templates with a `loop.first` guard do (vLLM probes for that guard).
 CODER = (TEMPLATES_DIR / "qwen3_coder.jinja").read_text()
 TEMPLATES = {
-    "renders": CODER.replace('{%- elif m.role == "user" -%}', '{%- elif m.role == "system" -%}'
-                             '{{- "<|im_start|>system\\n" + m.content + "<|im_end|>\\n" -}}\n{%- elif m.role == "user" -%}'),
+    "renders": CODER.replace('{%- elif m.role == "user" -%}',
+                             '{%- elif m.role == "system" -%}{{- "<|im_start|>system\\n" + m.content + "<|im_end|>\\n" -}}'
+                             '\n{%- elif m.role == "user" -%}'),
     "drops": CODER,
     "raises": ("{%- for m in messages -%}{%- if m.role == 'system' and not loop.first -%}"
                "{{- raise_exception('System message must be at the beginning.') -}}{%- endif -%}{%- endfor -%}\n"
