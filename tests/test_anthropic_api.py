@@ -4,12 +4,18 @@ blocks), streaming events, tool results in the next turn, and errors and keys in
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from fakes import MODEL_ID, REPLY, Cluster
 from test_toolcalls_api import ARGS, HARMONY_CALL, QWEN_CALL, _cluster
+from oracle import _extras
+from tiny_models import TEMPLATES_DIR, write_family_tokenizer
 
 import anthropic
+from anthropic.types import Message, MessageCountTokensParams, MessageTokensCount, RawMessageStreamEvent
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -176,4 +182,111 @@ async def test_a_failure_mid_stream_ends_in_an_error_event(local_cluster):
         async with client.messages.stream(model=MODEL_ID, max_tokens=50, messages=QUESTION) as stream:
             await stream.get_final_message()
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+    await client.close()
+
+
+# ---- Claude Code: its captured first request (tests/data/agents), as it sends it ----
+
+AGENTS = Path(__file__).parent / "data" / "agents"
+READ = "<tool_call>\n<function=Read>\n<parameter=file_path>\n/etc/hostname\n</parameter>\n</function>\n</tool_call>"
+# The qwen3-coder test template skips a system message after the first; variants that render it, or raise on it
+# as Qwen templates with a `loop.first` guard do (vLLM probes for that guard).
+CODER = (TEMPLATES_DIR / "qwen3_coder.jinja").read_text()
+TEMPLATES = {
+    "renders": CODER.replace('{%- elif m.role == "user" -%}',
+                             '{%- elif m.role == "system" -%}{{- "<|im_start|>system\\n" + m.content + "<|im_end|>\\n" -}}'
+                             '\n{%- elif m.role == "user" -%}'),
+    "drops": CODER,
+    "raises": ("{%- for m in messages -%}{%- if m.role == 'system' and not loop.first -%}"
+               "{{- raise_exception('System message must be at the beginning.') -}}{%- endif -%}{%- endfor -%}\n"
+               + CODER)}
+
+
+def _claude_body() -> dict:
+    return json.loads((AGENTS / "claude_code_print_first_turn.json").read_text())["body"]
+
+
+async def _coder(tmp_path, template: str) -> tuple[Cluster, Path]:
+    folder = write_family_tokenizer(tmp_path / "qwen3_moe", "qwen3_moe")
+    (folder / "chat_template.jinja").write_text(template)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    c = await Cluster(n_prefill=0, model_dir=folder, max_model_len=131072).start()
+    c.decode.speak(folder, READ)
+    return c, folder
+
+
+async def _post_streamed(client: anthropic.AsyncAnthropic, body: dict) -> tuple[list, Message]:
+    """Post `body` as it is (to /v1/messages?beta=true, as Claude Code does) and read the SSE stream with the SDK's
+    own event types, each strictly; the message is accumulated from them."""
+    stream = await client.post("/v1/messages?beta=true", body=body, cast_to=Message, stream=True,
+                               stream_cls=anthropic.AsyncStream[RawMessageStreamEvent])
+    events = [ev async for ev in stream]
+    assert [events[0].type, events[-1].type] == ["message_start", "message_stop"], [e.type for e in events]
+    assert not [x for ev in events for x in _extras(ev, ev.type)]  # no field the SDK's types do not define
+    msg = events[0].message.model_copy(deep=True)
+    blocks: dict[int, dict] = {}
+    for ev in events:
+        if ev.type == "content_block_start":
+            blocks[ev.index] = {"block": ev.content_block.model_dump(), "json": ""}
+        elif ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
+            blocks[ev.index]["json"] += ev.delta.partial_json
+        elif ev.type == "message_delta":
+            msg.stop_reason = ev.delta.stop_reason
+    content = [{**b["block"], "input": json.loads(b["json"])} if b["block"]["type"] == "tool_use" else b["block"]
+               for _, b in sorted(blocks.items())]
+    return events, Message.model_validate({**msg.model_dump(), "content": content})
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+async def test_claude_code_first_request_is_served(tmp_path, empty_config, template):
+    """Claude Code 2.1.197's first request (`system` text blocks with its billing line, a `system`-role message
+    inside `messages`, 24 tools, `thinking` adaptive, `context_management`, `output_config`): answered and read by
+    the SDK's event types. The system message stays in place (Anthropic's mid-conversation system messages) where
+    the template renders it, and joins the leading system prompt where the template drops or refuses it."""
+    c, _ = await _coder(tmp_path, TEMPLATES[template])
+    try:
+        body = _claude_body()
+        assert [m["role"] for m in body["messages"]] == ["user", "system"] and len(body["tools"]) == 24
+        client = _client(c)
+        events, msg = await _post_streamed(client, body)
+        prompt = c.decode.tok.decode(c.decode.requests[-1]["token_ids"], skip_special_tokens=False)
+        inline = body["messages"][1]["content"]
+        assert "You are a Claude agent" in prompt and "<name>WebSearch</name>" in prompt and inline in prompt
+        assert "x-anthropic-billing-header" not in prompt  # per-request hash: would defeat the prefix cache
+        order = [prompt.index(s) for s in ("You are a Claude agent", "What is the capital of France?")]
+        if template == "renders":  # in place, after the user's turn
+            assert prompt.count("<|im_start|>system") == 2 and prompt.index(inline) > order[1]
+        else:  # joined into the one leading system turn
+            assert prompt.count("<|im_start|>system") == 1 and order[0] < prompt.index(inline) < order[1]
+        assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+        assert (msg.content[0].name, msg.content[0].input) == ("Read", {"file_path": "/etc/hostname"})
+
+        # count_tokens with the same fields (Claude Code sends it for /context) counts the same prompt.
+        fields = MessageCountTokensParams.__required_keys__ | MessageCountTokensParams.__optional_keys__
+        count = {k: v for k, v in body.items() if k in fields}
+        assert {"system", "tools", "thinking", "output_config"} <= set(count)
+        counted = await client.post("/v1/messages/count_tokens?beta=true", body=count, cast_to=MessageTokensCount)
+        assert counted.input_tokens == len(c.decode.requests[-1]["token_ids"])
+
+        # The next turn: the tool_use back, its tool_result, as Claude Code sends them.
+        body["messages"] += [{"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": msg.content[0].id,
+                                                           "content": [{"type": "text", "text": "devbox"}]}]}]
+        await _post_streamed(client, body)
+        prompt = c.decode.tok.decode(c.decode.requests[-1]["token_ids"], skip_special_tokens=False)
+        assert "<function=Read>" in prompt and "devbox" in prompt
+        await client.close()
+    finally:
+        await c.stop()
+
+
+async def test_claude_code_on_a_model_without_tools_is_a_clear_400(local_cluster):
+    """The embedded SmolLM2's template renders no tools: Claude Code's request gets a 400 that says so, in
+    Anthropic's shape (what `claude -p` prints against `make serve`)."""
+    client = _client(local_cluster)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        await client.post("/v1/messages?beta=true", body={**_claude_body(), "model": MODEL_ID}, cast_to=Message,
+                          stream=True, stream_cls=anthropic.AsyncStream[RawMessageStreamEvent])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "does not support tools" in e.value.body["error"]["message"]
     await client.close()

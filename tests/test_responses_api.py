@@ -5,13 +5,17 @@ from the store, and errors in OpenAI's shape."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from fakes import MODEL_ID, REPLY, Cluster
+from oracle import _extras
 from test_toolcalls_api import ARGS, HARMONY_CALL, QWEN_CALL, _cluster
+from tiny_models import write_family_tokenizer
 
 import openai
+from openai.types.responses import Response, ResponseStreamEvent
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -130,7 +134,7 @@ async def test_errors_in_openai_shape(local_cluster):
     r = await client.responses.create(model=MODEL_ID, input="hi", store=False)
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(model=MODEL_ID, input="again", previous_response_id=r.id)
-    for bad, param in [({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    for bad, param in [({"tools": [{"type": "function", "parameters": {}}]}, "tools[0]"),
                        ({"input": [{"type": "message", "role": "user",
                                     "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
                        ({"max_output_tokens": 0}, "max_output_tokens"), ({"model": "nope"}, "model")]:
@@ -171,3 +175,100 @@ async def test_a_failure_mid_stream_ends_in_an_error_event(local_cluster):
     last = json.loads(raw.strip().split("\n\n")[-1].split("data: ", 1)[1])
     assert last["type"] == "error" and last["code"] and last["message"]
     assert "response.completed" not in raw
+
+
+
+# ---- Codex CLI: its captured first request (tests/data/agents), as it sends it ----
+
+AGENTS = Path(__file__).parent / "data" / "agents"
+# qwen3-coder calling one of Codex's namespace functions by the flat name it was shown.
+SPAWN = ("<tool_call>\n<function=multi_agent_v1__spawn_agent>\n<parameter=message>\nfind the bug\n</parameter>\n"
+         "</function>\n</tool_call>")
+EXEC = "<tool_call>\n<function=exec_command>\n<parameter=cmd>\nls\n</parameter>\n</function>\n</tool_call>"
+
+
+def _codex_body() -> dict:
+    return json.loads((AGENTS / "codex_exec_first_turn.json").read_text())["body"]
+
+
+@pytest.fixture
+async def coder(tmp_path, empty_config):
+    """A qwen3_moe-family fake cluster with room for Codex's ~40 KB of instructions and tools."""
+    folder = write_family_tokenizer(tmp_path / "qwen3_moe", "qwen3_moe")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    c = await Cluster(n_prefill=0, model_dir=folder, max_model_len=131072).start()
+    c.decode.speak(folder, SPAWN)
+    yield c, folder
+    await c.stop()
+
+
+def _strict(model) -> None:
+    assert not _extras(model, type(model).__name__), _extras(model, type(model).__name__)
+
+
+async def _post_streamed(client: openai.AsyncOpenAI, body: dict) -> tuple[list, Response]:
+    """Post `body` as it is and read the SSE stream with the SDK's own event types, each strictly."""
+    stream = await client.post("/responses", body=body, cast_to=Response, stream=True,
+                               stream_cls=openai.AsyncStream[ResponseStreamEvent])
+    events = [ev async for ev in stream]
+    for ev in events:
+        _strict(ev)
+    assert events[-1].type == "response.completed", [e.type for e in events]
+    return events, events[-1].response
+
+
+async def test_codex_first_request_is_served(coder, caplog):
+    """Codex CLI 0.169.0's first request (13 tools: a `namespace` of sub-agent functions, a hosted `web_search`;
+    `developer` messages; `include`, `prompt_cache_key`, `client_metadata`): answered, and a call to a namespace's
+    function comes back as `name` + `namespace`, as OpenAI's `ResponseFunctionToolCall` and Codex read it."""
+    (c, _), body = coder, _codex_body()
+    assert body["stream"] is True and {t["type"] for t in body["tools"]} == {"function", "namespace", "web_search"}
+    client = _client(c)
+    with caplog.at_level("WARNING"):
+        events, final = await _post_streamed(client, body)
+    assert "web_search" in caplog.text  # the hosted tool is dropped, and the log says so
+    prompt = c.decode.tok.decode(c.decode.requests[-1]["token_ids"], skip_special_tokens=False)
+    assert "You are a coding agent running in the Codex CLI" in prompt  # developer messages, as system
+    assert "What is the capital of France?" in prompt
+    for name in ("exec_command", "multi_agent_v1__spawn_agent", "multi_agent_v1__close_agent", "update_goal"):
+        assert f"<name>{name}</name>" in prompt, name
+    assert "external_web_access" not in prompt
+    (call,) = final.output
+    assert call.type == "function_call" and (call.namespace, call.name) == ("multi_agent_v1", "spawn_agent")
+    assert json.loads(call.arguments) == {"message": "find the bug"} and final.status == "completed"
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(i.namespace, i.name) for i in added] == [("multi_agent_v1", "spawn_agent")]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.namespace, i.name) for i in done] == [("multi_agent_v1", "spawn_agent")]
+    assert [t.type for t in final.tools] == [t["type"] for t in body["tools"]]  # echoed as sent
+
+    # Codex's next turn sends the call back (with its namespace) and the tool's output; store is false as before.
+    body["input"] += [call.model_dump(exclude_none=True),
+                      {"type": "function_call_output", "call_id": call.call_id, "output": "agent 7 started"}]
+    _, final = await _post_streamed(client, body)
+    prompt = c.decode.tok.decode(c.decode.requests[-1]["token_ids"], skip_special_tokens=False)
+    assert prompt.count("<function=multi_agent_v1__spawn_agent>") == 1 and "agent 7 started" in prompt
+    await client.close()
+
+
+async def test_codex_request_answered_whole(coder):
+    """The same body asked whole: a strictly typed `Response`; a plain function's call carries no namespace."""
+    (c, folder), body = coder, {**_codex_body(), "stream": False}
+    c.decode.speak(folder, EXEC)
+    client = _client(c)
+    r = await client.post("/responses", body=body, cast_to=Response)
+    _strict(r)
+    (call,) = r.output
+    assert (call.name, call.namespace, json.loads(call.arguments)) == ("exec_command", None, {"cmd": "ls"})
+    await client.close()
+
+
+async def test_codex_on_a_model_without_tools_is_a_clear_400(local_cluster):
+    """The embedded SmolLM2's template renders no tools: Codex's request gets a 400 that says so, in OpenAI's
+    shape, before any stream opens (what `codex exec` prints against `make serve`)."""
+    client = _client(local_cluster)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.post("/responses", body={**_codex_body(), "model": MODEL_ID}, cast_to=Response, stream=True,
+                          stream_cls=openai.AsyncStream[ResponseStreamEvent])
+    assert e.value.body["param"] == "tools" and "does not support tools" in e.value.body["message"]
+    await client.close()

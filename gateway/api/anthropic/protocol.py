@@ -1,11 +1,12 @@
 """Anthropic Messages API requests (pydantic) and their translation into the chat request the gateway runs:
 `system` and content blocks become chat messages (tool_use as assistant `tool_calls`, tool_result as `tool`
-messages), tools and tool_choice their chat forms, `stop_sequences` the stop strings."""
+messages, `system`-role messages, Anthropic's mid-conversation system messages, system messages), tools and
+tool_choice their chat forms, `stop_sequences` the stop strings."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,7 +20,7 @@ class _Model(BaseModel):
 
 
 class InputMessage(_Model):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -78,6 +79,11 @@ def parse(model: type[CountTokensRequest], body: Any) -> Any:
         raise InvalidRequest(f"{where}: {err['msg']}", param=where) from None
 
 
+# Claude Code's attribution line opens its system prompt with a per-request hash: dropped (as vLLM does), or no
+# two requests would share a cached prefix.
+_BILLING = "x-anthropic-billing-header"
+
+
 def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -92,6 +98,25 @@ def _text(content: Any, where: str) -> str:
             raise InvalidRequest(f"{where}[{i}]: only text blocks are supported here, not {kind!r}")
         parts.append(str(b.get("text", "")))
     return "".join(parts)
+
+
+def _system_text(content: Any, where: str) -> str:
+    """A system prompt's text, without Claude Code's billing line."""
+    if isinstance(content, str):
+        return "" if content.startswith(_BILLING) else content
+    blocks = [b for b in content or [] if not (isinstance(b, dict) and str(b.get("text", "")).startswith(_BILLING))]
+    return _text(blocks, where)
+
+
+def renders_inline_system(render: Callable[[list[dict]], str]) -> bool:
+    """Whether a chat template renders a system message after the first turn: probed as vLLM does, with a
+    [system, user, system, user] conversation; a template that raises (Qwen's `loop.first` guard) or silently
+    drops the second system message does not."""
+    probe = [{"role": r, "content": f"<<{r}-{i}>>"} for i, r in enumerate(("system", "user", "system", "user"))]
+    try:
+        return "<<system-2>>" in render(probe)
+    except InvalidRequest:
+        return False
 
 
 def _user(msg: InputMessage, where: str) -> list[dict]:
@@ -131,12 +156,23 @@ def _assistant(msg: InputMessage, where: str) -> dict:
     return {**out, "tool_calls": calls} if calls else out
 
 
-def chat_messages(req: CountTokensRequest) -> list[dict]:
-    out = [{"role": "system", "content": _text(req.system, "system")}] if req.system else []
+def chat_messages(req: CountTokensRequest, inline_system: bool = True) -> list[dict]:
+    """The chat messages; `system`-role messages stay where they are, or, where the template renders no system
+    message after the first (`inline_system` False), join the leading system prompt."""
+    system = [_system_text(req.system, "system")] if req.system else []
+    out: list[dict] = []
     for i, m in enumerate(req.messages):
         where = f"messages.{i}"
-        out += _user(m, where) if m.role == "user" else [_assistant(m, where)]
-    return out
+        if m.role == "system":
+            text = _system_text(m.content, f"{where}.content")
+            if text and inline_system:
+                out.append({"role": "system", "content": text})
+            elif text:
+                system.append(text)
+        else:
+            out += _user(m, where) if m.role == "user" else [_assistant(m, where)]
+    system = [t for t in system if t]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -168,8 +204,8 @@ def chat_tool_choice(choice: dict | None) -> str | dict | None:
     raise InvalidRequest(f"tool_choice.type must be auto, any, tool or none, not {kind!r}")
 
 
-def chat_request(req: CountTokensRequest) -> ChatRequest:
-    body = {"model": req.model, "messages": chat_messages(req), "tools": chat_tools(req.tools),
+def chat_request(req: CountTokensRequest, inline_system: bool = True) -> ChatRequest:
+    body = {"model": req.model, "messages": chat_messages(req, inline_system), "tools": chat_tools(req.tools),
             "tool_choice": chat_tool_choice(req.tool_choice)}
     out = req.output_config
     if out is not None:

@@ -13,12 +13,20 @@ from gateway.api.serving import STATE, GatewayState, endpoint, read_body, run
 
 from gateway.api.anthropic import errors
 from gateway.api.anthropic.framing import AnthropicFraming
-from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request, parse
+from gateway.api.anthropic.protocol import (CountTokensRequest, MessagesRequest, chat_request, parse,
+                                            renders_inline_system)
+
+
+def _chat(st: GatewayState, req: CountTokensRequest):
+    """The chat request; system-role messages stay in place where the model's template renders them there."""
+    tok = st.tokenizers[st.route(req.model).id]
+    inline = not any(m.role == "system" for m in req.messages) or renders_inline_system(tok.render)
+    return chat_request(req, inline)
 
 
 async def _messages(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
     req = parse(MessagesRequest, await read_body(request))
-    chat = chat_request(req)
+    chat = _chat(st, req)
     rec.model = st.route(chat.model).id
     job = await prepare(st, chat, req.think())
     blocks = Blocks(job.reasoning, job.tools, chat.tools)
@@ -33,7 +41,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's length as the model's template and tokenizer make it; nothing is generated."""
     st = request.app[STATE]
     req = parse(CountTokensRequest, await read_body(request))
-    _, ids = await encode(st, chat_request(req), req.think())
+    _, ids = await encode(st, _chat(st, req), req.think())
     return web.json_response({"input_tokens": len(ids)})
 
 

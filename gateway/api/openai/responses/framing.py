@@ -14,7 +14,7 @@ from gateway.api.blocks import Block, Blocks, Event
 from gateway.errors import APIError
 from gateway.api.relay import Framing
 
-from gateway.api.openai.responses.protocol import ResponsesRequest
+from gateway.api.openai.responses.protocol import ResponsesRequest, namespaced_names
 from gateway.api.openai.responses.store import ResponseStore
 
 _PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
@@ -30,12 +30,20 @@ def _part(block: Block) -> dict:
     return {"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}
 
 
-def _item(block: Block, item_id: str, status: str) -> dict:
+def _call_name(name: str, names: dict[str, tuple[str, str]]) -> dict:
+    """A call's `name`, and its `namespace` when the model called a namespace's function by its flat name."""
+    if name in names:
+        namespace, local = names[name]
+        return {"name": local, "namespace": namespace}
+    return {"name": name}
+
+
+def _item(block: Block, item_id: str, status: str, names: dict[str, tuple[str, str]]) -> dict:
     """The output item of `block`; in_progress: as `output_item.added` shows it, before any text."""
     done = status != "in_progress"
     if block.kind == "call":
         c = block.call
-        return {"id": item_id, "type": "function_call", "call_id": c.id, "name": c.name,
+        return {"id": item_id, "type": "function_call", "call_id": c.id, **_call_name(c.name, names),
                 "arguments": c.arguments if done else "", "status": status}
     content = [_part(block)] if done else []
     if block.kind == "reasoning":
@@ -51,6 +59,7 @@ class ResponsesFraming(Framing):
         self.req, self.blocks, self.conversation, self.store = req, blocks, conversation, store
         self.id, self.created = _id("resp"), int(time.time())
         self._ids: dict[int, str] = {}
+        self.names = namespaced_names(req.tools)
         self._seq = 0
 
     def encode(self, frame: list[dict]) -> bytes:
@@ -66,13 +75,14 @@ class ResponsesFraming(Framing):
             "temperature": 1.0 if r.temperature is None else r.temperature, "top_p": 1.0 if r.top_p is None else r.top_p,
             "tools": r.tools or [], "tool_choice": r.tool_choice or "auto",
             "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
-            "previous_response_id": r.previous_response_id, "store": r.store is not False, "metadata": r.metadata or {},
+            "previous_response_id": r.previous_response_id, "metadata": r.metadata or {},
             "text": {"format": {"type": "text"}} if r.text is None else r.text.model_dump(by_alias=True, exclude_none=True),
             "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
             "error": None, "incomplete_details": None, "usage": None,
         }
         if done is not None:
-            out["output"] = [_item(b, self._item_id(i), "completed") for i, b in enumerate(self.blocks.blocks)]
+            out["output"] = [_item(b, self._item_id(i), "completed", self.names)
+                             for i, b in enumerate(self.blocks.blocks)]
             out["usage"] = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
                             "input_tokens_details": {"cached_tokens": done.prefix_tokens},
                             "output_tokens_details": {"reasoning_tokens": self.blocks.reasoning_tokens},
@@ -136,7 +146,7 @@ class ResponsesFraming(Framing):
             b, at = ev.block, {"item_id": self._item_id(ev.index), "output_index": ev.index}
             if ev.type == "start":
                 out.append(self._event("response.output_item.added", output_index=ev.index,
-                                       item=_item(b, at["item_id"], "in_progress")))
+                                       item=_item(b, at["item_id"], "in_progress", self.names)))
                 if b.kind != "call":
                     out.append(self._event("response.content_part.added", **at, content_index=0,
                                            part={**_part(b), "text": ""}))
@@ -156,13 +166,12 @@ class ResponsesFraming(Framing):
     def _done(self, b: Block, at: dict) -> list[dict]:
         out = []
         if b.kind == "call":
-            out.append(self._event("response.function_call_arguments.done", **at, name=b.call.name,
-                                   arguments=b.call.arguments))
+            out.append(self._event("response.function_call_arguments.done", **at, arguments=b.call.arguments))
         elif b.kind == "reasoning":
             out.append(self._event("response.reasoning_text.done", **at, content_index=0, text=b.text))
         else:
             out.append(self._event("response.output_text.done", **at, content_index=0, text=b.text, logprobs=[]))
         if b.kind != "call":
             out.append(self._event("response.content_part.done", **at, content_index=0, part=_part(b)))
-        item = _item(b, at["item_id"], "completed")
+        item = _item(b, at["item_id"], "completed", self.names)
         return out + [self._event("response.output_item.done", output_index=at["output_index"], item=item)]

@@ -1,9 +1,11 @@
 """Responses API requests (pydantic) and their translation into the chat request the gateway runs: `input` items
 become chat messages (function calls as assistant `tool_calls`, their outputs as `tool` messages), flat function
-tools become chat tools, `text.format` a `response_format`, `reasoning.effort` the template's effort."""
+tools (and a namespace's functions, as `<namespace>__<name>`, vLLM's flat form) become chat tools, `text.format` a
+`response_format`, `reasoning.effort` the template's effort."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -11,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.api.chat_job import EXTRA_SAMPLING
 from gateway.errors import InvalidRequest
 from gateway.api.openai.protocol import ChatRequest, parse_chat_request
+
+log = logging.getLogger("gateway.api.serving")
+
+# A namespace's function as the model sees it (vLLM's separator); answered back as name + namespace, as Codex reads.
+NAMESPACE_SEP = "__"
 
 # Effort names the Responses API has beyond the chat templates' low/medium/high.
 _EFFORT = {"minimal": "low", "none": "low"}
@@ -99,8 +106,11 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text(item.get("content", ""), f"{param}.content")})
         elif kind == "function_call":
+            name = item.get("name")
+            if item.get("namespace"):  # the flat name the model was shown
+                name = f"{item['namespace']}{NAMESPACE_SEP}{name}"
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+                    "function": {"name": name, "arguments": item.get("arguments") or "{}"}}
             if out and out[-1]["role"] == "assistant":  # parallel calls, or text then calls: one assistant turn
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -114,17 +124,44 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     return out
 
 
+def _function(t: dict, name: str, param: str) -> dict:
+    if not isinstance(t.get("name"), str) or not t["name"]:
+        raise InvalidRequest(f"{param}: a function tool needs a name", param=param)
+    fn = {k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}
+    return {"type": "function", "function": {"name": name, **fn}}
+
+
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses' flat function tools as chat tools; built-in tools (web search, files...) are refused."""
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if t.get("type") != "function" or not isinstance(t.get("name"), str):
-            raise InvalidRequest(f"tools[{i}]: only function tools with a name are supported, not {t.get('type')!r}",
-                                 param=f"tools[{i}]")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
+    """Responses' function tools as chat tools, a namespace's functions flattened to `<namespace>__<name>`. Hosted
+    tools (web_search, file_search, mcp...) have nothing here to run them: dropped with a warning, as vLLM drops
+    them (it renders only function tools for the model)."""
+    out, dropped = [], []
+    for i, t in enumerate(tools or []):
+        kind = t.get("type")
+        if kind == "function":
+            out.append(_function(t, t.get("name"), f"tools[{i}]"))
+        elif kind == "namespace" and isinstance(t.get("name"), str) and isinstance(t.get("tools"), list):
+            for j, inner in enumerate(t["tools"]):
+                if inner.get("type") == "function":
+                    out.append(_function(inner, f"{t['name']}{NAMESPACE_SEP}{inner.get('name')}",
+                                         f"tools[{i}].tools[{j}]"))
+                else:
+                    dropped.append(f"{t['name']}.{inner.get('type')}")
+        else:
+            dropped.append(str(kind))
+    if dropped:
+        log.warning("responses: ignoring tools the gateway cannot run: %s", ", ".join(dropped))
+    return out or None
+
+
+def namespaced_names(tools: list[dict] | None) -> dict[str, tuple[str, str]]:
+    """Flat name -> (namespace, name) for the namespace tools of a request: how a call is named back to the client."""
+    out = {}
+    for t in tools or []:
+        if t.get("type") == "namespace" and isinstance(t.get("tools"), list):
+            for inner in t["tools"]:
+                if inner.get("type") == "function":
+                    out[f"{t.get('name')}{NAMESPACE_SEP}{inner.get('name')}"] = (t.get("name"), inner.get("name"))
     return out
 
 
