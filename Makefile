@@ -42,8 +42,12 @@ tools:
 	command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v shellcheck >/dev/null \
 	  || (apt-get update && apt-get install -y --no-install-recommends prometheus docker-compose shellcheck)
 
+# All of it, in two runs: the quick tier on two workers (as test-quick), then the tests that start engines, nodes
+# and stacks, one at a time (they share the session stack and are CPU-bound). The marker expressions are exact
+# complements, so every test runs once.
 test: install models site-models tools
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
+	$(BIN)/python -m pytest -q -m "e2e or soak or cuda" --durations=25
 
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
 # Two pytest-xdist workers: on this 2-core box the tier is part CPU, part waiting on sockets and timeouts.
