@@ -41,11 +41,6 @@ class Rate:
     def value(self) -> float:
         return self.units / self.seconds if self.seconds > 0 else self.prior
 
-    def observe_ingest(self, decode: str, tokens: int, seconds: float, model: str | None = None) -> None:
-        """The decode node gave its first token `seconds` after the last of `tokens` tokens' KV could have arrived
-        (the prefill call answered, or the link carried the bytes, whichever was later)."""
-        self.ingest_rate(decode, model).observe(tokens, seconds)
-
     def snapshot(self) -> dict:
         return {"value": round(self.value, 3), "prior": self.prior, "samples": self.samples}
 
