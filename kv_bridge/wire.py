@@ -236,17 +236,34 @@ def trailer_size(ftype: int, mac: FrameMac | None) -> int:
     return TAG_BYTES if mac is not None else checksum_size(ftype)
 
 
+class _Crc32:
+    """zlib.crc32 behind xxhash's running-hash methods."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, b) -> None:
+        self.value = zlib.crc32(b, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def _running_checksum(ftype: int):
+    """A frame body's running checksum (update() with each buffer in order; see _checksum_trailer)."""
+    return xxhash.xxh3_64() if ftype == KV else _Crc32()
+
+
+def _checksum_trailer(ftype: int, h) -> bytes:
+    return (XXH if ftype == KV else CRC).pack(h.intdigest())
+
+
 def checksum(ftype: int, body) -> bytes:
     """The trailer of a frame whose body is `body` (buffers, in order): xxh3_64 for KV frames, crc32 otherwise."""
-    if ftype == KV:
-        h = xxhash.xxh3_64()
-        for b in body:
-            h.update(b)
-        return XXH.pack(h.intdigest())
-    crc = 0
+    h = _running_checksum(ftype)
     for b in body:
-        crc = zlib.crc32(b, crc)
-    return CRC.pack(crc)
+        h.update(b)
+    return _checksum_trailer(ftype, h)
 
 
 def kv_digest(first: bytes | memoryview):
@@ -255,21 +272,13 @@ def kv_digest(first: bytes | memoryview):
 
 
 def check_digest(digest, got: bytes | memoryview) -> None:
-    if XXH.pack(digest.intdigest()) != bytes(got):
+    if _checksum_trailer(KV, digest) != bytes(got):
         raise WireError("frame checksum mismatch")
 
 
 def frame_parts(ftype: int, *body: bytes | memoryview) -> list[bytes | memoryview]:
     """Buffers that, written in order, form one frame (avoids joining large payloads)."""
     return [PREFIX.pack(ftype, sum(len(b) for b in body)), *body, checksum(ftype, body)]
-
-
-class _Crc32:
-    def __init__(self):
-        self.value = 0
-
-    def update(self, b) -> None:
-        self.value = zlib.crc32(b, self.value)
 
 
 def frame_batches(ftype: int, body: list, mac: FrameMac | None = None):
@@ -279,7 +288,7 @@ def frame_batches(ftype: int, body: list, mac: FrameMac | None = None):
     The trailer is the frame's tag with `mac` (the chain moves on), else its checksum (frame_parts' bytes)."""
     views = [memoryview(b).cast("B") for b in body]
     length = sum(len(v) for v in views)
-    h = mac.begin(ftype, length) if mac is not None else xxhash.xxh3_64() if ftype == KV else _Crc32()
+    h = mac.begin(ftype, length) if mac is not None else _running_checksum(ftype)
     batch, size = [PREFIX.pack(ftype, length)], 0
     for v in views:
         off = 0
@@ -291,10 +300,7 @@ def frame_batches(ftype: int, body: list, mac: FrameMac | None = None):
             if size == HOT_BYTES:
                 yield batch
                 batch, size = [], 0
-    if mac is not None:
-        batch.append(mac.seal_running(h))
-    else:
-        batch.append(XXH.pack(h.intdigest()) if ftype == KV else CRC.pack(h.value))
+    batch.append(mac.seal_running(h) if mac is not None else _checksum_trailer(ftype, h))
     yield batch
 
 
