@@ -69,7 +69,7 @@ class Generation:
         self.done: DoneLine | None = None
         self.prefill_s: float | None = None  # wall time of the prefill call, set when it answered 200
         self.prefill_ms = 0.0  # wall time of the prefill call, whatever it answered
-        self._prefill_span: tuple[float, float] | None = None  # (start, answer) of the call that answered 200
+        self._prefill_t0: float | None = None  # when the call that answered 200 started (it took prefill_s)
         self._first_at: float | None = None  # when the first token arrived (monotonic)
         self._resp: aiohttp.ClientResponse | None = None
         self._prefill_task: asyncio.Task | None = None
@@ -200,9 +200,9 @@ class Generation:
             self._rates.observe_kv_size(self.route.id, d.kv_tokens, d.kv_bytes)
             if self.prefill is not None:
                 self._rates.observe_link(self.prefill.name, self.decode.name, d.kv_bytes, d.kv_link_s)
-            if self._prefill_span is not None and self._first_at is not None:
-                start, answered = self._prefill_span
-                landed = max(answered, start + d.kv_link_s)
+            if self._prefill_t0 is not None and self.prefill_s is not None and self._first_at is not None:
+                start = self._prefill_t0
+                landed = start + max(self.prefill_s, d.kv_link_s)
                 self._rates.observe_ingest(self.decode.name, d.kv_tokens, self._first_at - landed, self.route.id)
         elif d.computed_tokens >= _MIN_LOCAL_SAMPLE and d.ttft_s > 0:
             self._rates.observe_local(self.decode.name, d.computed_tokens, d.ttft_s, self.route.id)
@@ -307,7 +307,7 @@ class Generation:
                 if resp.status == 200:
                     await resp.read()
                     self.prefill_s = time.monotonic() - t0
-                    self._prefill_span = (t0, t0 + self.prefill_s)
+                    self._prefill_t0 = t0
                     if self._rates is not None:
                         tokens = len(self.prompt) - 1 - self.kv_start
                         self._rates.prefill_call_done(node.name, tokens, t0, time.monotonic())
