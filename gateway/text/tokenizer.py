@@ -6,6 +6,7 @@ nodes (and transformers) compute from the same model folder.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -105,6 +106,17 @@ class ChatTokenizer:
         self._template = compile_template(template_source)
         self.special_tokens = dict(special_tokens)
         self.model_type: str | None = None  # config.json's model_type, when the folder has one
+
+    @functools.cached_property
+    def renders_inline_system(self) -> bool:
+        """Whether the chat template renders a system message after the first turn: probed once, as vLLM probes it,
+        with a [system, user, system, user] conversation; a template that raises (Qwen's `loop.first` guard) or
+        silently drops the second system message does not."""
+        probe = [{"role": r, "content": f"<<{r}-{i}>>"} for i, r in enumerate(("system", "user", "system", "user"))]
+        try:
+            return "<<system-2>>" in self.render(probe)
+        except InvalidRequest:
+            return False
 
     @property
     def supports_tools(self) -> bool:

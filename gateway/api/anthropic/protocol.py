@@ -6,7 +6,7 @@ tool_choice their chat forms, `stop_sequences` the stop strings."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -106,17 +106,6 @@ def _system_text(content: Any, where: str) -> str:
         return "" if content.startswith(_BILLING) else content
     blocks = [b for b in content or [] if not (isinstance(b, dict) and str(b.get("text", "")).startswith(_BILLING))]
     return _text(blocks, where)
-
-
-def renders_inline_system(render: Callable[[list[dict]], str]) -> bool:
-    """Whether a chat template renders a system message after the first turn: probed as vLLM does, with a
-    [system, user, system, user] conversation; a template that raises (Qwen's `loop.first` guard) or silently
-    drops the second system message does not."""
-    probe = [{"role": r, "content": f"<<{r}-{i}>>"} for i, r in enumerate(("system", "user", "system", "user"))]
-    try:
-        return "<<system-2>>" in render(probe)
-    except InvalidRequest:
-        return False
 
 
 def _user(msg: InputMessage, where: str) -> list[dict]:

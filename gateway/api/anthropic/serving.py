@@ -13,14 +13,13 @@ from gateway.api.serving import STATE, GatewayState, endpoint, read_body, run
 
 from gateway.api.anthropic import errors
 from gateway.api.anthropic.framing import AnthropicFraming
-from gateway.api.anthropic.protocol import (CountTokensRequest, MessagesRequest, chat_request, parse,
-                                            renders_inline_system)
+from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request, parse
 
 
 def _chat(st: GatewayState, req: CountTokensRequest):
     """The chat request; system-role messages stay in place where the model's template renders them there."""
     tok = st.tokenizers[st.route(req.model).id]
-    inline = not any(m.role == "system" for m in req.messages) or renders_inline_system(tok.render)
+    inline = not any(m.role == "system" for m in req.messages) or tok.renders_inline_system
     return chat_request(req, inline)
 
 
