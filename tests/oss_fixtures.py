@@ -30,15 +30,9 @@ class OssStack:
     scripted: Path  # the scripted checkpoint, served as SCRIPTED_ID
 
 
-_SHARED: list[OssStack] = []  # pytest keeps a fixture imported into several modules as several definitions
-
-
 @pytest.fixture(scope="session")
 def oss_stack(tmp_path_factory):
-    """The shared stack (module docstring). Only the definition that started it stops it, at the session's end."""
-    if _SHARED:
-        yield _SHARED[0]
-        return
+    """The shared stack (module docstring), defined once through conftest.py, stopped at the session's end."""
     root = tmp_path_factory.mktemp("oss-stack")
     folder = build_family("gpt_oss", root / "gpt_oss")
     scripted = build_scripted_gpt_oss(root / "scripted")
@@ -56,10 +50,8 @@ def oss_stack(tmp_path_factory):
         proxied.write_text(s.config.read_text().replace(f"port = {port}\n", f"port = {proxy.port}\n", 1))
         s.config = proxied
         s.start("gateway")
-        _SHARED.append(OssStack(s, proxy, folder, scripted))
-        yield _SHARED[0]
+        yield OssStack(s, proxy, folder, scripted)
     finally:
-        _SHARED.clear()
         s.stop()
         if proxy is not None:
             proxy.close()

@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from oss_fixtures import oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
 from stack import MODEL_ID
 
 import openai

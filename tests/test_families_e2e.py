@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiny_vllm import Job, register, tiny_vllm  # noqa: F401 (the session fixture)
+from tiny_vllm import Job, register
 pytestmark = pytest.mark.e2e
 TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the annual budget "
         "for rivers, mountains and the history of early computing machines. ") * 20

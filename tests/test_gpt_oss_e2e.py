@@ -11,7 +11,6 @@ import json
 
 import pytest
 
-from oss_fixtures import oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
 from stack import MODEL_ID, Stack
 from test_e2e import post as e2e_post
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from oss_fixtures import SCRIPTED_ID as MODEL_ID, oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
+from oss_fixtures import SCRIPTED_ID as MODEL_ID
 from scripted_gpt_oss import REASONING
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ import torch
 
 from stack import MODEL_DIR
 from test_kv_fidelity import TEXT, mlx_kv
-from tiny_vllm import Job, register, tiny_vllm  # noqa: F401 (the session fixture)
+from tiny_vllm import Job, register
 
 pytestmark = pytest.mark.e2e
 N = 300  # with max_num_batched_tokens=64 the prompt is prefilled in 5 chunks

@@ -16,7 +16,6 @@ import json
 import pytest
 
 from family_streams import family_tokenizers
-from oss_fixtures import oss_stack  # noqa: F401 (the shared tiny-gpt_oss stack)
 from recording_proxy import RecordingProxy
 from stack import MODEL_ID, Stack
 

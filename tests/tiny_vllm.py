@@ -3,9 +3,9 @@ engine (vLLM's LLMEngine) with our connector, on a tiny checkpoint (tests/tiny_m
 streaming the KV of its prompts to the decode node's receiver in the test process. Each job's engine is shut down
 (vLLM's distributed state reset) before the next one starts.
 
-Modules register their jobs at import (`register`) and import the session fixture `tiny_vllm`: its first use runs
-every registered job, and each module gets its job's result from that one run (pytest keeps a fixture imported into
-two modules as two definitions, so the results are kept here). vLLM runs as `python tests/tiny_vllm.py JOBS.json`.
+Modules register their jobs at import (`register`, during collection); the session fixture `tiny_vllm` (defined
+once, through conftest.py) runs every registered job on its first use, and each module reads its job's result from
+that one run. vLLM runs as `python tests/tiny_vllm.py JOBS.json`.
 """
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ class Result:
 
 
 JOBS: dict[str, Job] = {}
-_RESULTS: dict[str, Result] = {}
-_FAILED: list[Exception] = []
 
 
 def register(job: Job) -> Job:
@@ -164,16 +162,9 @@ async def run_jobs(jobs: list[dict], tmp: Path, env: dict | None = None) -> tupl
 
 @pytest.fixture(scope="session")
 def tiny_vllm(tmp_path_factory) -> dict[str, Result]:
-    """Every registered job's Result by name, from one vLLM subprocess (started on first use)."""
-    if _FAILED:  # every module's fixture re-raises the run's failure rather than running all jobs again
-        raise _FAILED[0]
-    if not _RESULTS:
-        try:
-            _RESULTS.update(_run_all(tmp_path_factory))
-        except Exception as e:
-            _FAILED.append(e)
-            raise
-    return _RESULTS
+    """Every registered job's Result by name, from one vLLM subprocess (started on first use; a failure is pytest's
+    cached error for every test that asks, not a second run)."""
+    return _run_all(tmp_path_factory)
 
 
 def _run_all(tmp_path_factory) -> dict[str, Result]:
