@@ -327,7 +327,7 @@ def long_prompts(site):
     """Long SmolLM2 prompts one at a time on a quiet site (what the link rate and the TTFT prediction learn from):
     each row (measured TTFT from Ollama's prompt_eval_duration, the gateway's prediction from the request's
     x-disagg-predicted-ttft-ms, the site's CPU share over the request, the request's headers). The first WARM rows
-    warm the engines and teach the router this length at this moment's speed; then up to TRIES more until one ran
+    warm the engines and teach the router this length at this moment's speed; then up to TRIES more until one
     ran while the site had the CPU share it had for the three before it and the machine to itself for all four (the
     shared machine's other jobs come and go; a quiet machine passes at the first)."""
     rows = []
