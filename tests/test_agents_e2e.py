@@ -111,11 +111,16 @@ def _cli(name: str) -> str:
     return path
 
 
-async def _agent(cmd: list[str], env: dict, cwd: Path) -> tuple[int, str]:
-    p = await asyncio.create_subprocess_exec(*cmd, env={**os.environ, **env}, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
-                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    out, _ = await asyncio.wait_for(p.communicate(), 180)
-    return p.returncode, out.decode()
+async def _agent(cmd: list[str], env: dict, cwd: Path) -> tuple[int, str, str]:
+    """Run one CLI with a home of its own (`cwd`/home): the machine's own ~/.claude, ~/.claude.json or ~/.codex (a
+    user's settings, a missing config's warnings, backups) must not reach the run. Returns rc, stdout, stderr."""
+    home = cwd / "home"
+    home.mkdir(exist_ok=True)
+    p = await asyncio.create_subprocess_exec(*cmd, env={**os.environ, "HOME": str(home), **env}, cwd=cwd,
+                                             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                                             stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(p.communicate(), 180)
+    return p.returncode, out.decode(), err.decode()
 
 
 async def test_codex_and_claude_code_complete_a_turn(tmp_path, empty_config):
@@ -133,13 +138,14 @@ async def test_codex_and_claude_code_complete_a_turn(tmp_path, empty_config):
         (home / "config.toml").write_text(
             f'model = "{FAKE_MODEL}"\nmodel_provider = "disagg"\n[model_providers.disagg]\nname = "disagg"\n'
             f'base_url = "{c.url}/v1"\nwire_api = "responses"\nenv_key = "DISAGG_KEY"\n')
-        rc, out = await _agent([codex, "exec", "--skip-git-repo-check", "What is the capital of France?"],
-                               {"DISAGG_KEY": "x", "CODEX_HOME": str(home)}, tmp_path)
-        assert rc == 0 and "The capital of France is Paris." in out, out
-        rc, out = await _agent([claude, "-p", "What is the capital of France?", "--model", FAKE_MODEL],
-                               {"ANTHROPIC_BASE_URL": c.url, "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
-                                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, tmp_path)
-        assert rc == 0 and out.strip() == "The capital of France is Paris.", out
+        rc, out, err = await _agent([codex, "exec", "--skip-git-repo-check", "What is the capital of France?"],
+                                    {"DISAGG_KEY": "x", "CODEX_HOME": str(home)}, tmp_path)
+        assert rc == 0 and out.strip() == "The capital of France is Paris.", (out, err)
+        rc, out, err = await _agent([claude, "-p", "What is the capital of France?", "--model", FAKE_MODEL],
+                                    {"ANTHROPIC_BASE_URL": c.url, "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
+                                     "CLAUDE_CONFIG_DIR": str(tmp_path / "claude"),
+                                     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, tmp_path)
+        assert rc == 0 and out.strip() == "The capital of France is Paris.", (out, err)
         assert len(c.decode.requests) == 2  # one turn each, nothing retried
     finally:
         await c.stop()
