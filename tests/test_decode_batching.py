@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import numpy as np
@@ -28,6 +29,10 @@ CASES = [
     ("Water boils at", 14, []),
     ("My favourite colour is", 7, ["\n"]),
 ]
+# test_bridged_and_local_requests_batch_together's prompts and budget.
+BATCHED = ["The tallest mountain in the world is", "Paris is a city that", "Here is a haiku about snow:",
+           "The recipe needs flour, eggs and"]
+BATCHED_MAX = 15
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +118,27 @@ def case_requests(tok) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def alone(decode, mlx_ref) -> list[dict]:
+def mlx_answers(mlx_ref):
+    """MLX alone's greedy answers to CASES, then to BATCHED: a Future, computed in a thread of this process while the
+    node (another process) serves the module's first requests, not after them (~140 single-sequence steps)."""
+    _, tok = mlx_ref
+    work = [(prompt_ids(tok, p), n) for p, n, _ in CASES] + [(prompt_ids(tok, p), BATCHED_MAX) for p in BATCHED]
+    with ThreadPoolExecutor(1) as ex:
+        yield ex.submit(lambda: [mlx_alone(mlx_ref, ids, n) for ids, n in work])
+
+
+@pytest.fixture(scope="module")
+def alone(decode, mlx_ref, mlx_answers) -> list[dict]:
     """case_requests run one at a time on the node, once for the module: what each gets alone."""
     return run(one_by_one(decode, case_requests(mlx_ref[1])))
 
 
-def test_concurrent_requests_equal_each_alone_and_mlx_alone(decode, mlx_ref, alone):
+def test_concurrent_requests_equal_each_alone_and_mlx_alone(decode, mlx_ref, alone, mlx_answers):
     _, tok = mlx_ref
     together = run(all_at_once(decode, case_requests(tok)))
-    for (prompt, n, stop), a, b in zip(CASES, alone, together):
+    for (prompt, n, stop), a, b, ref in zip(CASES, alone, together, mlx_answers.result()):
         assert b["ids"] == a["ids"] and b["text"] == a["text"], prompt
         assert b["done"]["finish_reason"] == a["done"]["finish_reason"]
-        ref = mlx_alone(mlx_ref, prompt_ids(tok, prompt), n)
         if stop and a["done"]["finish_reason"] == "stop" and len(a["ids"]) < len(ref):  # cut at the stop string
             assert a["ids"] == ref[:len(a["ids"])] and any(s in tok.decode(ref) for s in stop), prompt
         else:
@@ -212,12 +226,12 @@ def send_kv(port: int, tid: str, keys: np.ndarray, values: np.ndarray, key: byte
         sender.shutdown()
 
 
-def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
+def test_bridged_and_local_requests_batch_together(decode, mlx_ref, mlx_answers):
     model, tok = mlx_ref
-    prompts = ["The tallest mountain in the world is", "Paris is a city that", "Here is a haiku about snow:",
-               "The recipe needs flour, eggs and"]
+    prompts = BATCHED
     ids = [prompt_ids(tok, p) for p in prompts]
     bridged = {0, 2}
+    refs = mlx_answers.result()[len(CASES):]  # first: this process's MLX runs one thread at a time
     kv = {i: mlx_kv(model, ids[i][:-1]) for i in bridged}
     kv_port, key = decode.settings.node("decode-0").kv_port, decode.kv_key
 
@@ -225,8 +239,8 @@ def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
         async with aiohttp.ClientSession() as s:
             async def one(i):
                 if i not in bridged:
-                    return await generate(s, decode, body(ids[i], 15))
-                req = body(ids[i], 15, kv={"tokens": len(ids[i]) - 1})
+                    return await generate(s, decode, body(ids[i], BATCHED_MAX))
+                req = body(ids[i], BATCHED_MAX, kv={"tokens": len(ids[i]) - 1})
                 # The transfer is registered once the node accepted: send the KV then, like a prefill node.
                 send = lambda: asyncio.to_thread(send_kv, kv_port, req["request_id"], *kv[i], key)  # noqa: E731
                 return await generate(s, decode, req, on_accepted=send)
@@ -236,7 +250,7 @@ def test_bridged_and_local_requests_batch_together(decode, mlx_ref):
 
     outs, h = run(main())
     for i, out in enumerate(outs):
-        assert out["ids"] == mlx_alone(mlx_ref, ids[i], 15), prompts[i]
+        assert out["ids"] == refs[i], prompts[i]
         assert out["done"]["kv_tokens"] == (len(ids[i]) - 1 if i in bridged else 0), out["done"]
         assert out["done"]["fallback_reason"] is None
     assert h["running"] == 0 and h["batch_size"] == 0 and h["cache_bytes"] == 0

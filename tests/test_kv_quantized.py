@@ -61,17 +61,22 @@ def test_quantized_decode_node_through_the_split(stack, mlx_ref, hf_tokenizer, t
     """A decode node configured with decode.kv_bits=8 takes KV from the real prefill node into 8-bit caches."""
     import asyncio
     import json
+    from concurrent.futures import ThreadPoolExecutor
 
     import aiohttp
 
     from stack import MODEL_ID, Stack
 
     q = Stack(tmp_path, node_secret=stack.settings.auth.node_secret.get_secret_value())  # takes stack's signed KV
-    q.start("decode-0", env={"DISAGG_DECODE__KV_BITS": "8"})
     try:
         text = hf_tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                                 tokenize=False)
         ids = hf_tokenizer.encode(text, add_special_tokens=False)
+        model, tok = mlx_ref
+        with ThreadPoolExecutor(1) as ex:  # the node starts (imports, model load) while MLX computes the reference
+            started = ex.submit(q.start, "decode-0", env={"DISAGG_DECODE__KV_BITS": "8"})
+            alone = greedy(model, tok, ids, kv_bits=8, kv_group_size=64, quantized_kv_start=0)
+            started.result()
 
         async def run():
             body = {"request_id": "q8", "model": MODEL_ID, "token_ids": ids, "max_tokens": 16, "temperature": 0,
@@ -88,7 +93,6 @@ def test_quantized_decode_node_through_the_split(stack, mlx_ref, hf_tokenizer, t
         lines = asyncio.run(run())
         assert lines[-1]["type"] == "done" and lines[-1]["kv_tokens"] == len(ids) - 1, lines[-1]
         tokens = [ev["token_id"] for ev in lines if ev["type"] == "token"]
-        model, tok = mlx_ref
-        assert tokens == greedy(model, tok, ids, kv_bits=8, kv_group_size=64, quantized_kv_start=0)
+        assert tokens == alone
     finally:
         q.stop()
