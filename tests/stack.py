@@ -27,13 +27,14 @@ def free_port() -> int:
 
 def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
                  kv_advertise_port: dict[str, int] | None = None, prefix_cache_bytes: int = 0,
-                 model_dir: Path = MODEL_DIR, node_secret: str | None = None) -> Path:
+                 model_dir: Path = MODEL_DIR, node_secret: str | None = None, prefill_port: int | None = None) -> Path:
     """A stack config on free ports. decode_nodes: decode-0, decode-1, ... all serving the model.
     kv_advertise_port: decode node name -> the port prefill nodes are told to send its KV to (a relay in front of
     its kv_port). Decode-side prefix reuse is off unless asked for: tests that pin how many KV tokens cross must
     not depend on which prompts (a shared system prompt!) earlier tests left behind. node_secret: in the file, so
-    `disagg status --config` run by a test authenticates as the gateway does (KV frames MACed: the default)."""
-    ports = {k: free_port() for k in ("gateway", "prefill")}
+    `disagg status --config` run by a test authenticates as the gateway does (KV frames MACed: the default).
+    prefill_port: prefill-0 is another stack's, already running there (this stack starts no prefill node)."""
+    ports = {"gateway": free_port(), "prefill": prefill_port or free_port()}
     decoders = ""
     for i in range(decode_nodes):
         name = f"decode-{i}"
