@@ -74,6 +74,7 @@ def prefill_main(jobs_file: str) -> None:
     os.environ.update(spec["env"])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process: ~20 s sooner
+    import vllm.envs as envs
     from vllm import LLMEngine, SamplingParams
 
     from kv_bridge.families import check_vllm_hf_config
@@ -82,6 +83,7 @@ def prefill_main(jobs_file: str) -> None:
     for job in spec["jobs"]:
         saved = {k: os.environ.get(k) for k in job["env"]}
         os.environ.update(job["env"])
+        envs.disable_envs_cache()  # an engine's start caches vLLM's variables; the next job's (env) must be read anew
         engine = LLMEngine.from_engine_args(_engine_args(job))
         try:
             check_vllm_hf_config(job["model"], engine.vllm_config.model_config.hf_config.to_dict())
