@@ -205,14 +205,16 @@ class Stack:
         they answer /health, so its first health poll finds them up."""
         nodes = [n for n in names if n != "gateway"]
         for name in nodes:
-            self._spawn(name, env)
+            self.spawn(name, env)
         for name in nodes:
-            self._wait(name, timeout)
+            self.wait_up(name, timeout)
         if "gateway" in names:
-            self._spawn("gateway", env)
-            self._wait("gateway", timeout)
+            self.spawn("gateway", env)
+            self.wait_up("gateway", timeout)
 
-    def _spawn(self, name: str, env: dict[str, str] | None) -> None:
+    def spawn(self, name: str, env: dict[str, str] | None = None) -> None:
+        """Start a role's process and return at once (`wait_up` waits for its /health): a test that restarts a killed
+        node lets the start overlap what it checks meanwhile."""
         role = "gateway" if name == "gateway" else self.settings.node(name).role
         cmd = [sys.executable, "-m", "backends.cli", role, "--config", str(self.config)]
         if role != "gateway":
@@ -221,7 +223,7 @@ class Stack:
         self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **self.env, **(env or {})})
 
-    def _wait(self, name: str, timeout: float) -> None:
+    def wait_up(self, name: str, timeout: float = 600) -> None:
         keys = self.settings.auth.client_keys()
         if name != "gateway":
             headers = self.node_headers

@@ -167,13 +167,14 @@ def test_decode_node_killed_mid_stream_fails_over_and_comes_back(stack2):
             if chunks == 10:  # well into the stream: kill -9 the node under it
                 stack2.kill(serving)
                 killed = serving
+                stack2.spawn(killed)  # its restart starts while the stream goes on on the other node
     assert killed is not None
     assert text == ref["choices"][0]["message"]["content"]
     assert finish == [ref["choices"][0]["finish_reason"]]
     assert fallbacks(stack2, "decode_failover") == before + 1
     survivor = "decode-1" if killed == "decode-0" else "decode-0"
     assert node_health(stack2, survivor)["running"] == 0
-    stack2.start(killed)
+    stack2.wait_up(killed)
     stack2.wait_gateway_sees(killed)
     assert_nothing_left(stack2)
     # Idle nodes tie and the earlier in the route wins, so decode-0 takes a fresh conversation; to land on decode-1
