@@ -27,13 +27,14 @@ def free_port() -> int:
 
 def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
                  kv_advertise_port: dict[str, int] | None = None, prefix_cache_bytes: int = 0,
-                 model_dir: Path = MODEL_DIR, node_secret: str | None = None) -> Path:
+                 model_dir: Path = MODEL_DIR, node_secret: str | None = None, prefill_port: int | None = None) -> Path:
     """A stack config on free ports. decode_nodes: decode-0, decode-1, ... all serving the model.
     kv_advertise_port: decode node name -> the port prefill nodes are told to send its KV to (a relay in front of
     its kv_port). Decode-side prefix reuse is off unless asked for: tests that pin how many KV tokens cross must
     not depend on which prompts (a shared system prompt!) earlier tests left behind. node_secret: in the file, so
-    `disagg status --config` run by a test authenticates as the gateway does (KV frames MACed: the default)."""
-    ports = {k: free_port() for k in ("gateway", "prefill")}
+    `disagg status --config` run by a test authenticates as the gateway does (KV frames MACed: the default).
+    prefill_port: prefill-0 is another stack's, already running there (this stack starts no prefill node)."""
+    ports = {"gateway": free_port(), "prefill": prefill_port or free_port()}
     decoders = ""
     for i in range(decode_nodes):
         name = f"decode-{i}"
@@ -204,14 +205,16 @@ class Stack:
         they answer /health, so its first health poll finds them up."""
         nodes = [n for n in names if n != "gateway"]
         for name in nodes:
-            self._spawn(name, env)
+            self.spawn(name, env)
         for name in nodes:
-            self._wait(name, timeout)
+            self.wait_up(name, timeout)
         if "gateway" in names:
-            self._spawn("gateway", env)
-            self._wait("gateway", timeout)
+            self.spawn("gateway", env)
+            self.wait_up("gateway", timeout)
 
-    def _spawn(self, name: str, env: dict[str, str] | None) -> None:
+    def spawn(self, name: str, env: dict[str, str] | None = None) -> None:
+        """Start a role's process and return at once (`wait_up` waits for its /health): a test that restarts a killed
+        node lets the start overlap what it checks meanwhile."""
         role = "gateway" if name == "gateway" else self.settings.node(name).role
         cmd = [sys.executable, "-m", "backends.cli", role, "--config", str(self.config)]
         if role != "gateway":
@@ -220,7 +223,7 @@ class Stack:
         self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **self.env, **(env or {})})
 
-    def _wait(self, name: str, timeout: float) -> None:
+    def wait_up(self, name: str, timeout: float = 600) -> None:
         keys = self.settings.auth.client_keys()
         if name != "gateway":
             headers = self.node_headers

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -167,13 +168,14 @@ def test_decode_node_killed_mid_stream_fails_over_and_comes_back(stack2):
             if chunks == 10:  # well into the stream: kill -9 the node under it
                 stack2.kill(serving)
                 killed = serving
+                stack2.spawn(killed)  # its restart starts while the stream goes on on the other node
     assert killed is not None
     assert text == ref["choices"][0]["message"]["content"]
     assert finish == [ref["choices"][0]["finish_reason"]]
     assert fallbacks(stack2, "decode_failover") == before + 1
     survivor = "decode-1" if killed == "decode-0" else "decode-0"
     assert node_health(stack2, survivor)["running"] == 0
-    stack2.start(killed)
+    stack2.wait_up(killed)
     stack2.wait_gateway_sees(killed)
     assert_nothing_left(stack2)
     # Idle nodes tie and the earlier in the route wins, so decode-0 takes a fresh conversation; to land on decode-1
@@ -188,8 +190,18 @@ def test_decode_node_killed_mid_stream_fails_over_and_comes_back(stack2):
     assert body["choices"][0]["message"]["content"]
 
 
+def mlx_alone_meanwhile(mlx_ref, hf_tokenizer, content: str, max_tokens: int) -> Future:
+    """mlx_alone in a thread of this process, started before the request whose local prefill it is the reference
+    for: the two MLX prefills (here and on the decode node) run side by side, not one after the other."""
+    pool = ThreadPoolExecutor(1)
+    ref = pool.submit(mlx_alone, mlx_ref, hf_tokenizer, content, max_tokens)
+    pool.shutdown(wait=False)  # the thread ends with its one task; the caller waits on ref.result()
+    return ref
+
+
 def test_kv_connection_cut_mid_frame_falls_back_to_local_prefill(stack2, relay, mlx_ref, hf_tokenizer):
     content = "Cut: " + LONG_PROMPT
+    ref = mlx_alone_meanwhile(mlx_ref, hf_tokenizer, content, 8)
     relay.rate, relay.cut_after = None, 300_001  # well inside the first layers' frames, not at a boundary
     befores = {r: fallbacks(stack2, r) for r in FALLBACK_REASONS}
     try:
@@ -201,7 +213,7 @@ def test_kv_connection_cut_mid_frame_falls_back_to_local_prefill(stack2, relay, 
     reason = headers["x-disagg-fallbacks"].split(",")[-1]
     assert reason in FALLBACK_REASONS
     assert fallbacks(stack2, reason) == befores[reason] + 1
-    assert body["choices"][0]["message"]["content"] == mlx_alone(mlx_ref, hf_tokenizer, content, 8)
+    assert body["choices"][0]["message"]["content"] == ref.result()
     assert_nothing_left(stack2)
     headers, _ = complete(stack2, "Again: " + LONG_PROMPT, 4)  # the link is whole again: disaggregated
     assert headers["x-disagg-path"] == "disaggregated", headers
@@ -209,6 +221,7 @@ def test_kv_connection_cut_mid_frame_falls_back_to_local_prefill(stack2, relay, 
 
 def test_prefill_node_killed_mid_transfer_falls_back_to_local_prefill(stack2, relay, mlx_ref, hf_tokenizer):
     content = "Kill: " + LONG_PROMPT
+    ref = mlx_alone_meanwhile(mlx_ref, hf_tokenizer, content, 8)
     relay.rate = 1_000_000  # ~46 KB of float32 KV per token here: a transfer of ~4 s, killed ~0.5 s in
     result: dict = {}
 
@@ -233,5 +246,5 @@ def test_prefill_node_killed_mid_transfer_falls_back_to_local_prefill(stack2, re
     headers, body = result["headers"], result["body"]
     assert headers["x-disagg-decode-node"] == "decode-0" and headers["x-disagg-path"] == "fallback", headers
     assert headers["x-disagg-fallbacks"].split(",")[-1] in FALLBACK_REASONS
-    assert body["choices"][0]["message"]["content"] == mlx_alone(mlx_ref, hf_tokenizer, content, 8)
+    assert body["choices"][0]["message"]["content"] == ref.result()
     assert_nothing_left(stack2)

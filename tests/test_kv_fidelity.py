@@ -27,14 +27,6 @@ TEXT = ("The quick brown fox jumps over the lazy dog while the committee debates
         "for rivers, mountains and the history of early computing machines. ") * 40
 
 
-@pytest.fixture(scope="module")
-def text_kv(mlx_ref) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """(ids, keys, values): TEXT's first max(LENGTHS) tokens and MLX's own prefill of them, computed once."""
-    model, tok = mlx_ref
-    ids = tok.encode(TEXT)[:max(LENGTHS)]
-    return (ids, *mlx_kv(model, ids))
-
-
 def mlx_kv(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """MLX's own prefill of `ids`: (L, H, T, D) keys and values."""
     import mlx.core as mx

@@ -30,7 +30,8 @@ class Job:
     checkpoint in `folder`. prompts: token ids from the checkpoint's tokenizer. engine: vLLM engine keywords. node:
     the prefill node's own engine instead (`disagg prefill`'s engine arguments for a stack config on the checkpoint,
     with `env` as the node's environment). env: set in the process while the job runs. batch: every prompt
-    scheduled together (e.g. to force preemption); else one after another."""
+    scheduled together (e.g. to force preemption); else one after another. starts: each prompt's kv_start (the
+    connector streams KV from there, as the prefill node asks it to); 0 for all when empty."""
 
     name: str
     family: str | None
@@ -41,13 +42,14 @@ class Job:
     node: bool = False
     env: dict = field(default_factory=dict)
     batch: bool = False
+    starts: tuple[int, ...] = ()
 
 
 @dataclass
 class Result:
     """What a job's test gets: the MLX checkpoint, mlx-lm's model and tokenizer (transformers' tokenizer and no model
-    for a `folder` job: the tests load that model once), the prompts, the received KV per prompt, and vLLM's
-    preemption count over the run."""
+    for a `folder` job: the tests load that model once), the prompts, the received KV per prompt, vLLM's
+    preemption count over the run, and its prefix-cache hit (num_cached_tokens) per prompt."""
 
     folder: Path
     model: Any
@@ -55,6 +57,7 @@ class Result:
     prompts: list[list[int]]
     kvs: list
     preemptions: int
+    cached: list[int]
 
 
 JOBS: dict[str, Job] = {}
@@ -71,6 +74,7 @@ def prefill_main(jobs_file: str) -> None:
     os.environ.update(spec["env"])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process: ~20 s sooner
+    import vllm.envs as envs
     from vllm import LLMEngine, SamplingParams
 
     from kv_bridge.families import check_vllm_hf_config
@@ -79,20 +83,23 @@ def prefill_main(jobs_file: str) -> None:
     for job in spec["jobs"]:
         saved = {k: os.environ.get(k) for k in job["env"]}
         os.environ.update(job["env"])
+        envs.disable_envs_cache()  # an engine's start caches vLLM's variables; the next job's (env) must be read anew
         engine = LLMEngine.from_engine_args(_engine_args(job))
         try:
             check_vllm_hf_config(job["model"], engine.vllm_config.model_config.hf_config.to_dict())
-            before = _preemptions(engine)
-            pending = [(tid, ids) for tid, ids in job["prompts"]]
+            before, cached = _preemptions(engine), {}
+            pending = list(job["prompts"])
             while pending:  # batch: every prompt scheduled together; else one after another
                 step, pending = (pending, []) if job["batch"] else (pending[:1], pending[1:])
-                for tid, ids in step:
-                    kvp = {"transfer_id": tid, "host": "127.0.0.1", "port": spec["port"], "start": 0}
+                for tid, ids, start in step:
+                    kvp = {"transfer_id": tid, "host": "127.0.0.1", "port": spec["port"], "start": start}
                     engine.add_request(f"prefill-{tid}", {"prompt_token_ids": ids}, SamplingParams(
                         max_tokens=1, temperature=0, extra_args={"kv_transfer_params": kvp}))
                 while engine.has_unfinished_requests():
-                    engine.step()
-            out[job["name"]] = _preemptions(engine) - before
+                    for o in engine.step():
+                        cached[o.request_id] = o.num_cached_tokens or 0
+            out[job["name"]] = {"preemptions": _preemptions(engine) - before,
+                                "cached": [cached[f"prefill-{tid}"] for tid, _, _ in job["prompts"]]}
         finally:  # workers (and our connector) shut down, vLLM's distributed state reset for the next engine
             engine.engine_core.shutdown()
             del engine
@@ -132,8 +139,8 @@ def _preemptions(engine) -> int:
 
 
 async def run_jobs(jobs: list[dict], tmp: Path, env: dict | None = None) -> tuple[list[list], dict[str, int]]:
-    """Run `jobs` (name, model, mlx, prompts; optional engine, batch, config, env) in one vLLM subprocess with `env`
-    set in it: (received KV per prompt per job, preemptions per job name)."""
+    """Run `jobs` (name, model, mlx, prompts; optional starts, engine, batch, config, env) in one vLLM subprocess
+    with `env` set in it: (received KV per prompt per job, {"preemptions": n, "cached": [per prompt]} per job name)."""
     from kv_bridge.config import KVConfig
     from kv_bridge.fingerprint import kv_spec
     from kv_bridge.receiver import KVReceiver
@@ -145,11 +152,12 @@ async def run_jobs(jobs: list[dict], tmp: Path, env: dict | None = None) -> tupl
         transfers, spec = [], {"port": port, "out": str(tmp / "out.json"), "env": env or {}, "jobs": []}
         for job in jobs:
             tids = [uuid.uuid4().hex for _ in job["prompts"]]
-            transfers.append([receiver.expect(t, len(ids), kv_spec(job["mlx"]))
-                              for t, ids in zip(tids, job["prompts"])])
+            starts = job.get("starts") or [0] * len(job["prompts"])
+            transfers.append([receiver.expect(t, len(ids), kv_spec(job["mlx"]), start=s)
+                              for t, ids, s in zip(tids, job["prompts"], starts, strict=True)])
             spec["jobs"].append({"engine": {}, "batch": False, "config": None, "env": {}}
                                 | {k: job[k] for k in ("name", "model", "engine", "batch", "config", "env") if k in job}
-                                | {"prompts": list(zip(tids, job["prompts"]))})
+                                | {"prompts": list(zip(tids, job["prompts"], starts))})
         (tmp / "jobs.json").write_text(json.dumps(spec))
         start = time.monotonic()
         await run_script(Path(__file__), tmp / "jobs.json", tmp / "vllm.log", timeout=800)
@@ -189,9 +197,11 @@ def _run_all(tmp_path_factory) -> dict[str, Result]:
         loaded[job.name] = (mlx_dir, model, tok, prompts)
         config = write_config(root / job.name, model_dir=vllm_dir) if job.node else None
         jobs.append({"name": job.name, "model": str(vllm_dir), "mlx": mlx_dir, "engine": job.engine,
-                     "batch": job.batch, "prompts": prompts, "config": config and str(config), "env": job.env})
-    kvs, preemptions = asyncio.run(run_jobs(jobs, root))
-    return {job["name"]: Result(*loaded[job["name"]], kv, preemptions[job["name"]]) for job, kv in zip(jobs, kvs)}
+                     "batch": job.batch, "prompts": prompts, "starts": list(job.starts), "config": config and str(config),
+                     "env": job.env})
+    kvs, out = asyncio.run(run_jobs(jobs, root))
+    return {job["name"]: Result(*loaded[job["name"]], kv, out[job["name"]]["preemptions"], out[job["name"]]["cached"])
+            for job, kv in zip(jobs, kvs)}
 
 
 if __name__ == "__main__":
