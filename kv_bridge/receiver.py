@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 STAGE_BYTES = 64 << 10  # a read whose target has less left than this goes through a staging buffer (see _fill)
 HEADER_WAIT_S = 30.0  # a connection that sends no complete HEADER within this is dropped (its thread ends)
+MAX_CONNECTIONS = 256  # open KV connections (threads) at once; more are closed at accept, before any thread starts
 
 
 class KVCapacityError(RuntimeError):
@@ -40,6 +41,7 @@ class KVReceiver:
     """
 
     connection_cls: type = None  # _Connection (set below); a test or profiler may substitute a subclass
+    max_connections = MAX_CONNECTIONS
 
     def __init__(self, cfg: KVConfig, key: bytes | None = None, frame_mac: bool = True):
         self.cfg = cfg
@@ -85,6 +87,10 @@ class KVReceiver:
             except OSError as e:  # e.g. out of file descriptors: keep serving
                 log.warning("KV receiver: accept failed: %s", e)
                 await asyncio.sleep(0.1)
+                continue
+            if len(self._conns) >= self.max_connections:  # e.g. a peer opening connections it never uses
+                log.warning("KV receiver: %d connections open already; refusing another", len(self._conns))
+                sock.close()
                 continue
             conn = self.connection_cls(self, sock)
             self._conns.add(conn)

@@ -453,3 +453,36 @@ def test_connection_threads_end_after_a_cut_and_at_stop():
     alive, closed, fds = asyncio.run(scenario())
     assert alive == [] and closed == [True, True]
     assert fds == [-1, -1, -1]  # the cut, the idle and the stalled connection: each socket closed by its thread
+
+
+def test_connections_past_the_bound_are_closed_at_accept():
+    """Each connection costs a thread: past `max_connections` open ones, another is closed before any starts, and
+    once one ends a new connection is served again."""
+    async def scenario():
+        rx = KVReceiver(KVConfig())
+        rx.max_connections = 2
+        port = free_port()
+        await rx.start("127.0.0.1", port)
+        try:
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]  # no HEADER yet
+            while len(_receiver_threads()) < 2:
+                await asyncio.sleep(0.01)
+            extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+            refused = await asyncio.to_thread(extra.recv, 1) == b""
+            threads = len(_receiver_threads())
+            idle.pop().close()  # one ends: its thread sees EOF and goes
+            while len(rx._conns) > 1:
+                await asyncio.sleep(0.01)
+            k, v = kv_data(10)
+            t = rx.expect("after", 10, SPEC)
+            await asyncio.to_thread(send_with_sender(k, v), port, "after")
+            got = await t.result(10)
+            for s in (*idle, extra):
+                s.close()
+            return refused, threads, got
+        finally:
+            await rx.stop()
+
+    refused, threads, got = asyncio.run(scenario())
+    assert refused and threads == 2
+    assert np.array_equal(got.keys, kv_data(10)[0])
