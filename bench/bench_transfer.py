@@ -1,8 +1,9 @@
 """KV transfer over loopback: KVSender -> KVReceiver (real frames, real sockets) vs a raw TCP stream of the same bytes.
 
 Run from the repository root:  .venv/bin/python bench/bench_transfer.py [--reps 5] [--sizes 1024,4096,8192] [--no-profile]
-The receiver runs in this process on an asyncio loop thread, the sender from the main thread (its writer thread
-sends), as on the nodes. A profile follows (skip it with --no-profile): where the time goes, what-if receive paths.
+The receiver runs in this process as on a decode node (a loop thread accepts, each connection is read on a thread
+of its own), the sender from the main thread (its writer thread sends), as on the nodes. A profile follows (skip
+it with --no-profile): where the time goes, what-if receive paths.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def target(n: int) -> float:
 
 
 class LoopThread:
-    """An asyncio loop on its own thread, as a decode node runs its receiver."""
+    """An asyncio loop on its own thread, as a decode node runs its receiver (connections are read on their own)."""
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
@@ -118,7 +119,7 @@ def raw_once(nbytes_per_layer: int, payload: bytes) -> float:
 class TimedReceiver(KVReceiver):
     """KVReceiver whose frame checks and KV assembly are timed (profiling only; same code paths): the checksum
     through `wire.check_checksum` and `wire.kv_digest`, assembly through `Transfer.add` (float32 frames are
-    received in place and never reach it), both called from the connection's protocol."""
+    received in place and never reach it), both called from each connection's thread."""
 
     def __init__(self, cfg: KVConfig):
         super().__init__(cfg)
@@ -312,7 +313,7 @@ def profile(lt: LoopThread, n: int, reps: int) -> None:
         lt.call(rx.stop())
         rx.restore()
     print(f"\nprofile, {n} tokens ({frame / 1e6:.1f} MB frames), {reps} bridge transfers, {total:.3f} s wall in all:")
-    print("  receiver loop thread, summed over frames:")
+    print("  receiver connection thread, summed over frames:")
     for k, v in rx.t.items():
         print(f"    {k:<26}{v:8.3f} s  {v / total * 100:5.1f}% of wall")
     print("  sender writer thread, summed over frames (sendmsg includes waiting for the receiver):")

@@ -88,6 +88,8 @@ class Transfer:
 
     Coverage is tracked per (layer, head, token); the transfer completes only once every position it needs arrived
     (a sliding layer needs only its window), never on one stream's DONE while another stream still owes KV.
+    Thread-safe: each stream's connection thread (kv_bridge/receiver.py) claims, fills and finishes under `_lock`;
+    the future is settled on the event loop that registered the transfer (one call_soon_threadsafe per transfer).
     """
 
     def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig, start: int = 0,
@@ -102,7 +104,12 @@ class Transfer:
         self.cfg = cfg
         self.pool = pool
         self._bufs: tuple[np.ndarray, np.ndarray] | None = None  # pooled 1-D buffers behind _keys, _values
-        self.future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._lock = threading.RLock()
+        self.ended = False  # failed or complete: set at once by whichever thread ends it (the future follows)
+        self._closers: list[Callable[[], None]] = []  # run once when it ends: drop its streams' connections
+        self.future: asyncio.Future[ReceivedKV] = self._loop.create_future()
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are read via result()
         self._keys = self._values = self._filled = self._claimed = self._first = self._layer_first = None
         self._t0 = 0.0
@@ -129,6 +136,11 @@ class Transfer:
     def begin(self, hdr: wire.StreamHeader) -> None:
         """A stream opens: it claims its (layers, heads); a claim that overlaps another stream's (a replay, or two
         replicas of one head) is refused without touching what the others fill."""
+        with self._lock:
+            self._begin(hdr)
+
+    def _begin(self, hdr: wire.StreamHeader) -> None:
+        self._check_live()
         if self._first is None:
             self._allocate(hdr)
         elif hdr.dtype != self._first.dtype:
@@ -160,7 +172,20 @@ class Transfer:
         self._first = hdr
         self._t0 = time.perf_counter()
 
+    def _check_live(self) -> None:
+        if self.ended:  # failed (timeout, abort) or complete while this stream's thread was reading
+            raise TransferError("kv_aborted", "transfer already ended")
+
+    def on_end(self, close: Callable[[], None]) -> None:
+        """Call `close` (thread-safe) once the transfer ends, or now if it has."""
+        with self._lock:
+            if not self.ended:
+                self._closers.append(close)
+                return
+        close()
+
     def _claim(self, hdr: wire.StreamHeader, layer: int, start: int, count: int) -> tuple[slice, int]:
+        self._check_live()
         heads, a = slice(hdr.head_start, hdr.head_start + hdr.heads), start - self.start
         filled = self._filled[layer, heads, a:a + count]
         if filled.any():
@@ -172,10 +197,11 @@ class Transfer:
         """One frame of the stream `hdr`; `start` is the absolute token position (wire.parse_kv checked it lies in
         the stream's range)."""
         n = k.shape[1]
-        heads, i = self._claim(hdr, layer, start, n)
-        self._keys[layer, heads, i:i + n] = k
-        self._values[layer, heads, i:i + n] = v
-        self._bytes += hdr.kv_bytes(n)  # bytes as they crossed the network
+        with self._lock:
+            heads, i = self._claim(hdr, layer, start, n)
+            self._keys[layer, heads, i:i + n] = k
+            self._values[layer, heads, i:i + n] = v
+            self._bytes += hdr.kv_bytes(n)  # bytes as they crossed the network
         self.progress_at = time.monotonic()
 
     def views(self, hdr: wire.StreamHeader, layer: int, start: int, count: int) -> list[memoryview]:
@@ -185,21 +211,23 @@ class Transfer:
         was most of a 1k-token transfer's event-loop time).
         The tokens are claimed now but count as arrived only at received(): another stream's DONE must not complete
         the transfer while this frame is still landing. A frame that fails its checksum fails the whole transfer."""
-        heads, a = self._claim(hdr, layer, start, count)
-        self._landing += 1
-        hs, out = range(heads.start, heads.stop), []
-        for buf in (self._keys, self._values):
-            block = buf[layer, heads, a:a + count]
-            if block.flags.c_contiguous:
-                out.append(memoryview(block).cast("B"))
-            else:
-                out.extend(memoryview(buf[layer, h, a:a + count]).cast("B") for h in hs)
-        return out
+        with self._lock:
+            heads, a = self._claim(hdr, layer, start, count)
+            self._landing += 1
+            hs, out = range(heads.start, heads.stop), []
+            for buf in (self._keys, self._values):
+                block = buf[layer, heads, a:a + count]
+                if block.flags.c_contiguous:
+                    out.append(memoryview(block).cast("B"))
+                else:
+                    out.extend(memoryview(buf[layer, h, a:a + count]).cast("B") for h in hs)
+            return out
 
     def received(self, hdr: wire.StreamHeader, count: int) -> None:
         """A frame received in place (views()) passed its checks: count its bytes."""
-        self._landing -= 1
-        self._bytes += hdr.kv_bytes(count)
+        with self._lock:
+            self._landing -= 1
+            self._bytes += hdr.kv_bytes(count)
         self.progress_at = time.monotonic()
 
     def _missing(self, layers, heads: slice) -> int:
@@ -210,12 +238,14 @@ class Transfer:
         """A stream's DONE: everything it declared must have arrived; the transfer completes with its last stream
         (another stream with a frame still landing sends its own DONE after it, and that one completes it).
         `link_s`: the time that stream spent mid-frame. Streams run side by side, so the slowest one's counts."""
-        self._link_s = max(self._link_s, link_s)
-        missing = self._missing(hdr.stream_layers, slice(hdr.head_start, hdr.head_start + hdr.heads))
-        if missing:
-            raise wire.WireError(f"DONE before all KV arrived ({missing} layer-head-tokens missing)")
-        if self._landing == 0 and self._missing(range(hdr.num_layers), slice(None)) == 0:
-            self.finish()
+        with self._lock:
+            self._check_live()
+            self._link_s = max(self._link_s, link_s)
+            missing = self._missing(hdr.stream_layers, slice(hdr.head_start, hdr.head_start + hdr.heads))
+            if missing:
+                raise wire.WireError(f"DONE before all KV arrived ({missing} layer-head-tokens missing)")
+            if self._landing == 0 and self._missing(range(hdr.num_layers), slice(None)) == 0:
+                self.finish()
 
     def finish(self) -> None:
         for layer in np.flatnonzero(self._layer_first > self.start):  # before a sliding window: nothing was sent
@@ -223,17 +253,31 @@ class Transfer:
             self._values[layer, :, :self._layer_first[layer] - self.start] = 0
         bufs, pool = self._bufs, self.pool
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
-        self._resolve(ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
-                                 self._link_s, release))
+        kv = ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
+                        self._link_s, release)
+        self._end(lambda: self.future.done() or self.future.set_result(kv))
 
     def fail(self, reason: str, message: str) -> None:
-        if not self.future.done():
-            self.future.set_exception(TransferError(reason, message))
-        self._keys = self._values = None  # free partial buffers at once
+        with self._lock:  # one critical section: no thread sees the buffers gone but the transfer live
+            self._keys = self._values = None  # free partial buffers at once (a stream still landing holds views)
+            self._end(lambda: self.future.done() or self.future.set_exception(TransferError(reason, message)))
 
-    def _resolve(self, kv: ReceivedKV) -> None:
-        if not self.future.done():
-            self.future.set_result(kv)
+    def _end(self, settle: Callable[[], object]) -> None:
+        """Mark the transfer ended, settle its future on its loop (at once when called there), drop its streams."""
+        with self._lock:
+            if self.ended:
+                return
+            self.ended = True
+            closers, self._closers = self._closers, []
+        if threading.get_ident() == self._loop_thread:
+            settle()
+        else:
+            try:
+                self._loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop is closed: nobody waits for this transfer any more
+                pass
+        for close in closers:
+            close()
 
     async def result(self, idle_timeout: float, header_timeout: float | None = None) -> ReceivedKV:
         """The KV, waiting as long as it makes progress: it fails (kv_timeout) only after `idle_timeout` seconds with

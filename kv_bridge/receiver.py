@@ -1,4 +1,5 @@
-"""Decode-side KV receiver: an asyncio TCP server; each connection is one stream of a transfer (kv_bridge/assembly.py).
+"""Decode-side KV receiver: a TCP server whose every connection, one stream of a transfer (kv_bridge/assembly.py),
+is read on a thread of its own straight into the transfer's arrays; the event loop hears only of whole transfers.
 
 A transfer is registered (`expect`) before the prefill side connects; its streams land in preallocated buffers
 (L, H, T, D), handed over only when every layer, head and token is covered (never partial KV). With a key (the node
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import threading
 import time
 
 from kv_bridge import wire
@@ -19,7 +22,9 @@ __all__ = ["BufferPool", "KVCapacityError", "KVReceiver", "ReceivedKV", "Transfe
 
 log = logging.getLogger(__name__)
 
-STAGE_BYTES = 64 << 10  # a read whose target has less left than this goes through a staging buffer (see get_buffer)
+STAGE_BYTES = 64 << 10  # a read whose target has less left than this goes through a staging buffer (see _fill)
+HEADER_WAIT_S = 30.0  # a connection that sends no complete HEADER within this is dropped (its thread ends)
+MAX_CONNECTIONS = 256  # open KV connections (threads) at once; more are closed at accept, before any thread starts
 
 
 class KVCapacityError(RuntimeError):
@@ -27,14 +32,16 @@ class KVCapacityError(RuntimeError):
 
 
 class KVReceiver:
-    """TCP server on the decode node's kv_port; one connection carries one transfer.
+    """TCP server on the decode node's kv_port; one connection carries one stream of one transfer.
 
-    Each connection is a `_FrameProtocol`: the event loop recv_into()s every frame straight into a buffer the
-    connection reuses, so a KV frame is copied once by the kernel and once into the transfer's arrays (asyncio's
-    StreamReader copied it twice more; see bench/bench_transfer.py).
+    The loop only accepts; each connection is a `_Connection` thread that recv_into()s every KV payload straight
+    into the transfer's arrays, checksum or tag updated read by read. The loop is woken once per transfer (its
+    future settled), not once per read: on 2 cores the per-read wakes handed the GIL back and forth with the
+    sender's thread (bench/bench_transfer.py).
     """
 
-    protocol_cls: type = None  # _FrameProtocol (set below); a test or profiler may substitute a subclass
+    connection_cls: type = None  # _Connection (set below); a test or profiler may substitute a subclass
+    max_connections = MAX_CONNECTIONS
 
     def __init__(self, cfg: KVConfig, key: bytes | None = None, frame_mac: bool = True):
         self.cfg = cfg
@@ -43,22 +50,66 @@ class KVReceiver:
         self.transfers: dict[str, Transfer] = {}
         self._reserved: dict[str, int] = {}  # transfer id -> float32 KV bytes it may hold
         self.pool = BufferPool(cfg.pool_bytes) if cfg.pool_bytes else None
-        self._server: asyncio.base_events.Server | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task] = []
+        self._conns: set[_Connection] = set()
 
     @property
     def inflight_bytes(self) -> int:
         return sum(self._reserved.values())
 
     async def start(self, host: str, port: int) -> None:
+        """Listen on every address `host` resolves to (as asyncio's create_server would)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: self.protocol_cls(self), host, port)
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, kind, proto, _, addr in dict.fromkeys(infos):
+                s = socket.socket(family, kind, proto)
+                self._listeners.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind(addr)
+                s.listen(100)
+                s.setblocking(False)
+        except OSError:
+            for s in self._listeners:
+                s.close()
+            self._listeners = []
+            raise
+        self._accepting = [loop.create_task(self._accept(s)) for s in self._listeners]
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as e:  # e.g. out of file descriptors: keep serving
+                log.warning("KV receiver: accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._conns) >= self.max_connections:  # e.g. a peer opening connections it never uses
+                log.warning("KV receiver: %d connections open already; refusing another", len(self._conns))
+                sock.close()
+                continue
+            conn = self.connection_cls(self, sock)
+            self._conns.add(conn)
+            conn.thread.start()
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        """Stop accepting, fail open transfers, drop every connection and wait for their threads to end."""
+        for task in self._accepting:
+            task.cancel()
+        await asyncio.gather(*self._accepting, return_exceptions=True)
+        for s in self._listeners:
+            s.close()
+        self._accepting, self._listeners = [], []
         for t in list(self.transfers.values()):
             t.fail("kv_aborted", "decode node shutting down")
+        conns = list(self._conns)
+        for c in conns:
+            c.shutdown()
+        await asyncio.to_thread(lambda: [c.thread.join(10) for c in conns])
 
     def expect(self, transfer_id: str, num_tokens: int, spec: dict, start: int = 0) -> Transfer:
         """Register the transfer of prompt tokens [start, num_tokens) before the prefill side connects;
@@ -101,117 +152,148 @@ class KVReceiver:
         return wire.FrameMac(self.key, hdr.auth) if hdr.frame_mac else None
 
 
-class _FrameProtocol(asyncio.BufferedProtocol):
-    """One KV connection: HEADER (answered ACK or ERROR), then KV* and DONE.
+class _Eof(ConnectionError):
+    """The peer closed the connection (or shutdown() dropped it)."""
 
-    The event loop recv_into()s each piece of a frame where it belongs: the 5-byte prefix, then either the whole
-    body into `_buf` (reused, grown to the largest frame after the prefix's length passed its bound), or, for a
-    float32 KV frame, its 20-byte KV prefix and then the payload straight into the transfer's arrays, in
-    contiguous pieces (`Transfer.views`), each read checksummed (and MACed) as it lands, while its bytes are still
-    in cache. A piece with less than STAGE_BYTES left is read through a staging buffer, together with what follows
-    it, and copied on. Frames are handled synchronously as they complete, so nothing queues up here: a fast sender
-    waits in TCP.
+
+class _Connection:
+    """One KV connection on its own thread: HEADER (answered ACK or ERROR), then KV* and DONE.
+
+    The thread reads each piece of a frame where it belongs: the 5-byte prefix, then either the whole body into
+    `_buf` (reused, grown to the largest frame after the prefix's length passed its bound), or, for a float32 KV
+    frame, its 20-byte KV prefix and then the payload straight into the transfer's arrays, in contiguous pieces
+    (`Transfer.views`), each read checksummed (and MACed) as it lands, while its bytes are still in cache. A piece
+    with less than STAGE_BYTES left is read through a staging buffer, together with what follows it, and copied on.
+    One frame at a time, so nothing queues up here: a fast sender waits in TCP. The thread ends with its stream
+    (DONE, a refusal, the peer gone) or when its transfer ends (`Transfer.on_end` -> shutdown()).
     """
 
-    def __init__(self, rx: KVReceiver):
-        self.rx = rx
-        self.transport: asyncio.Transport | None = None
+    def __init__(self, rx: KVReceiver, sock: socket.socket):
+        self.rx, self.sock = rx, sock
         self.transfer: Transfer | None = None
         self.hdr: wire.StreamHeader | None = None
         self.mac: wire.FrameMac | None = None
         self._small = bytearray(wire.PREFIX.size + wire.KV_PREFIX.size + wire.MAX_CHECKSUM + wire.TAG_BYTES)
         self._buf = bytearray()
-        self._targets: list[memoryview] = []
-        self._ti = self._got = 0
-        self._then = None  # called once every target is full
-        self._digests, self._summed = (), 0
         self._stage = memoryview(bytearray(STAGE_BYTES))
-        self._staged = False
+        self._pos = self._end = 0  # unread bytes in the staging buffer: [_pos, _end)
         self._mid_frame = False
         # The link's share of the stream's time: gaps between reads while a frame is part-read (its bytes were on
         # the way), not those between frames (the prefill computing the next layer). The learned link rate's clock.
         self.link_s, self._last_read = 0.0, None
         self._closed = False
-        self._expect_prefix()
+        self.thread = threading.Thread(target=self._run, name="disagg-kv-recv", daemon=True)
 
-    # ---- reading: fill the targets in order, then call _then ----
+    def shutdown(self) -> None:
+        """Drop the connection from any thread: a read in progress returns at once and the thread ends."""
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already closed
+            pass
 
-    def _read(self, targets: list[memoryview], then, digests=(), summed: int = 0) -> None:
-        """Fill `targets` in order, then call `then`; what lands in the first `summed` targets goes into each of
-        `digests` (running checksum, running tag) read by read, while its bytes are still in cache."""
-        self._targets, self._ti, self._got, self._then = targets, 0, 0, then
-        self._digests, self._summed = digests, summed
+    def took(self, nbytes: int) -> None:
+        """Called after each read off the socket (a hook for tests)."""
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        rest = self._targets[self._ti][self._got:]
-        self._staged = len(rest) < STAGE_BYTES
-        return self._stage if self._staged else rest
+    # ---- reading ----
 
-    def buffer_updated(self, nbytes: int) -> None:
-        if self._closed:
-            return
+    def _recv(self, into: memoryview) -> int:
+        n = self.sock.recv_into(into)
+        if n == 0:
+            raise _Eof("EOF")
         now = time.perf_counter()
         if self._mid_frame and self._last_read is not None:
             self.link_s += now - self._last_read
         self._last_read = now
-        if not self._staged:
-            self._advance(nbytes)
-            return
-        # Small pieces (prefixes, trailers, a frame's last bytes) come in through the staging buffer together with
-        # whatever follows them, and are copied on in order: one event-loop turn per recv, not one per piece.
-        off = 0
-        while off < nbytes and not self._closed:
-            target = self._targets[self._ti]
-            n = min(len(target) - self._got, nbytes - off)
-            target[self._got:self._got + n] = self._stage[off:off + n]
-            off += n
-            self._advance(n)
+        self.took(n)
+        return n
 
-    def _advance(self, nbytes: int) -> None:
-        if self._ti < self._summed:
-            landed = self._targets[self._ti][self._got:self._got + nbytes]
-            for d in self._digests:
-                d.update(landed)
-        self._got += nbytes
-        if self._got < len(self._targets[self._ti]):
-            return
-        self._ti, self._got = self._ti + 1, 0
-        if self._ti < len(self._targets):
-            return
+    def _fill(self, view: memoryview, digest=None) -> None:
+        """Fill `view`: staged bytes first, then straight from the socket (a short rest through the staging
+        buffer); every landed piece goes into `digest` (running checksum or tag) at once, while it is in cache."""
+        got, n = 0, len(view)
         try:
-            self._then()
-        except (TransferError, wire.WireError) as e:
-            self._abort(getattr(e, "reason", "kv_error"), str(e))
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    # ---- frames ----
+            while got < n:
+                if self._pos < self._end:
+                    k = min(n - got, self._end - self._pos)
+                    view[got:got + k] = self._stage[self._pos:self._pos + k]
+                    self._pos += k
+                elif n - got >= STAGE_BYTES:
+                    k = self._recv(view[got:])
+                else:
+                    self._pos, self._end = 0, self._recv(self._stage)
+                    continue
+                if digest is not None:
+                    digest.update(view[got:got + k])
+                got += k
+        except OSError:
+            self._mid_frame = self._mid_frame or got > 0
+            raise
 
     def _small_view(self, offset: int, size: int) -> memoryview:
         return memoryview(self._small)[offset:offset + size]
 
-    def _expect_prefix(self) -> None:
-        self._mid_frame = False
-        self._read([self._small_view(0, wire.PREFIX.size)], self._on_prefix)
+    # ---- frames ----
 
-    def _on_prefix(self) -> None:
+    def _run(self) -> None:
+        try:
+            self.sock.settimeout(HEADER_WAIT_S)
+            self._serve()
+        except (TransferError, wire.WireError) as e:
+            self._abort(getattr(e, "reason", "kv_error"), str(e))
+        except OSError as e:  # EOF, reset, the header's wait, or shutdown() once the transfer ended
+            self._lost(e)
+        except Exception as e:  # a bug must still fail the transfer (decode prefills locally), never hang it
+            log.exception("KV receiver: connection failed")
+            self._abort("kv_error", f"receiver error: {e!r}")
+        finally:
+            self.sock.close()
+            self.rx._conns.discard(self)
+
+    def _serve(self) -> None:
+        ftype, length = self._prefix()
+        body, trailer = self._body(ftype, length)
+        self._check(ftype, length, [body], trailer)
+        self._on_header(ftype, body)
+        self.sock.settimeout(None)  # from here the transfer's own deadline decides (its end drops this connection)
+        while True:
+            ftype, length = self._prefix()
+            t = self._live_transfer()
+            if t is None:
+                return
+            if ftype == wire.KV and self.hdr.dtype == "float32":
+                self._kv_in_place(t, length)
+                continue
+            body, trailer = self._body(ftype, length)
+            self._check(ftype, length, [body], trailer)
+            if ftype == wire.KV:
+                t.add(self.hdr, *wire.parse_kv(body, self.hdr))
+            elif ftype == wire.DONE:
+                t.stream_done(self.hdr, self.link_s)
+                self.transfer = None  # this stream is complete; the transfer may still wait on other ranks' streams
+                return
+            elif ftype == wire.ERROR:
+                raise TransferError("kv_error", "prefill reported: " + str(wire.parse_json(body).get("message")))
+            else:
+                raise wire.WireError(f"unexpected frame type {ftype} mid-stream")
+
+    def _prefix(self) -> tuple[int, int]:
+        self._mid_frame = False
+        self._fill(self._small_view(0, wire.PREFIX.size))
         self._mid_frame = True
         ftype, length = wire.PREFIX.unpack_from(self._small)
         wire.check_prefix(ftype, length, self.rx.cfg.max_frame_bytes)  # before anything is sized from it
-        if ftype == wire.KV and self.hdr is not None and self.hdr.dtype == "float32":
-            if length < wire.KV_PREFIX.size:
-                raise wire.WireError("KV frame shorter than its prefix")
-            kvp = self._small_view(wire.PREFIX.size, wire.KV_PREFIX.size)
-            self._read([kvp], lambda: self._on_kv_prefix(length, kvp))
-            return
-        size = length + self._trailer_size(ftype)
+        if self.hdr is None and ftype != wire.HEADER:
+            raise wire.WireError("stream must open with a HEADER frame")
+        return ftype, length
+
+    def _body(self, ftype: int, length: int) -> tuple[memoryview, memoryview]:
+        size = length + wire.trailer_size(ftype, self.mac)
         if len(self._buf) < size:
             self._buf = bytearray(size)  # grows to the largest frame of this stream, then is reused
-        self._read([memoryview(self._buf)[:size]], lambda: self._on_body(ftype, length))
-
-    def _trailer_size(self, ftype: int) -> int:
-        return wire.trailer_size(ftype, self.mac)
+        data = memoryview(self._buf)[:size]
+        self._fill(data)
+        return data[:length], data[length:]
 
     def _check(self, ftype: int, length: int, parts: list, trailer: memoryview) -> None:
         """Before anything reads the body: its tag with a frame MAC (which catches any corruption a checksum
@@ -221,66 +303,36 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         else:
             wire.check_checksum(ftype, parts, trailer)
 
-    def _on_kv_prefix(self, length: int, kvp: memoryview) -> None:
-        t = self._live_transfer()
-        if t is None:
-            return
+    def _kv_in_place(self, t: Transfer, length: int) -> None:
+        if length < wire.KV_PREFIX.size:
+            raise wire.WireError("KV frame shorter than its prefix")
+        kvp = self._small_view(wire.PREFIX.size, wire.KV_PREFIX.size)
+        self._fill(kvp)
         layer, start, count, _, _ = wire.parse_kv_prefix(kvp, length, self.hdr)
         views = t.views(self.hdr, layer, start, count)
-        trailer = self._small_view(wire.PREFIX.size + wire.KV_PREFIX.size, self._trailer_size(wire.KV))
-
         # With a frame MAC the tag is the whole check (the frame carries no checksum since wire version 4).
         if self.mac is None:
             digest = wire.kv_digest(kvp)
         else:
             digest = self.mac.begin(wire.KV, length)
             digest.update(kvp)
-
+        for view in views:
+            self._fill(view, digest)
+        trailer = self._small_view(wire.PREFIX.size + wire.KV_PREFIX.size, wire.trailer_size(wire.KV, self.mac))
+        self._fill(trailer)
         # The payload lands before its tag is checked, but counts only after: a bad tag fails the whole transfer,
         # whose buffers are dropped (never pooled, never decoded), so unauthenticated KV is never used.
-        def done() -> None:
-            if self.mac is None:
-                wire.check_digest(digest, trailer)
-            else:
-                self.mac.check_running(digest, trailer)
-            t.received(self.hdr, count)
-            self._expect_prefix()
-        self._read([*views, trailer], done, (digest,), len(views))
-
-    def _on_body(self, ftype: int, length: int) -> None:
-        data = memoryview(self._buf)
-        body = data[:length]
-        self._check(ftype, length, [body], data[length:length + self._trailer_size(ftype)])
-        if self.hdr is None:
-            self._on_header(ftype, body)
-            self._expect_prefix()
-            return
-        t = self._live_transfer()
-        if t is None:
-            return
-        if ftype == wire.KV:
-            t.add(self.hdr, *wire.parse_kv(body, self.hdr))
-        elif ftype == wire.DONE:
-            t.stream_done(self.hdr, self.link_s)
-            self.transfer = None  # this stream is complete; the transfer may still wait on other ranks' streams
-            self._close()
-            return
-        elif ftype == wire.ERROR:
-            raise TransferError("kv_error", "prefill reported: " + str(wire.parse_json(body).get("message")))
+        if self.mac is None:
+            wire.check_digest(digest, trailer)
         else:
-            raise wire.WireError(f"unexpected frame type {ftype} mid-stream")
-        self._expect_prefix()
+            self.mac.check_running(digest, trailer)
+        t.received(self.hdr, count)
 
     def _live_transfer(self) -> Transfer | None:
-        """The transfer, or None (and the connection dropped) once it timed out, was aborted or forgotten."""
-        if self.transfer.future.done():
-            self._close()
-            return None
-        return self.transfer
+        """The transfer, or None (the connection is then dropped) once it timed out, was aborted or forgotten."""
+        return None if self.transfer.ended else self.transfer
 
     def _on_header(self, ftype: int, body: memoryview) -> None:
-        if ftype != wire.HEADER:
-            raise wire.WireError("stream must open with a HEADER frame")
         obj = wire.parse_json(body)
         try:
             hdr = wire.StreamHeader.from_json(obj)
@@ -293,48 +345,38 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         # a refused stream still fails its transfer (if any): decode prefills locally at once.
         self.transfer = t
         mac = self.rx.authenticate(hdr)
-        if t is None or t.future.done():
+        if t is None or t.ended:
             raise TransferError("kv_error", f"no decode request is waiting for transfer {hdr.transfer_id!r}")
         t.check_header(hdr)
         t.begin(hdr)
         self.hdr, self.mac = hdr, mac
-        # a transfer that ends early (timeout, abort, a second connection) drops this connection at once
-        t.future.add_done_callback(lambda f: self._close())
-        self.transport.write(wire.json_frame(wire.ACK, {}))
+        t.on_end(self.shutdown)  # a transfer that ends early (timeout, abort, a second connection) drops this one
+        self.sock.sendall(wire.json_frame(wire.ACK, {}))
 
     # ---- endings ----
 
     def _abort(self, reason: str, msg: str) -> None:
-        """Fail the transfer, tell the sender why (best effort) and drop the connection."""
+        """Tell the sender why (best effort), fail the transfer and drop the connection."""
         t = self.transfer
-        log.warning("KV transfer %s failed: %s", t.transfer_id if t else "?", msg)
+        if t is None or not t.ended:
+            log.warning("KV transfer %s failed: %s", t.transfer_id if t else "?", msg)
+        if not self._closed:
+            try:
+                self.sock.settimeout(1.0)
+                self.sock.sendall(wire.json_frame(wire.ERROR, {"message": msg}))
+            except OSError:
+                pass
         if t is not None:
             t.fail(reason, msg)
-        if not self._closed and not self.transport.is_closing():
-            self.transport.write(wire.json_frame(wire.ERROR, {"message": msg}))
-        self._close()
 
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.transport.close()
-
-    def eof_received(self) -> bool:
-        self.connection_lost(None)
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _lost(self, exc: OSError) -> None:
         t = self.transfer
-        if t is not None and not t.future.done():
+        if t is not None and not t.ended:
             # a peer that vanished mid-frame shows up as EOF or as a reset, depending on timing
-            what = type(exc).__name__ if exc is not None else "EOF"
-            where = "mid-frame" if self._mid_frame or self._got else "before DONE"
-            msg = f"stream ended {where} (connection lost: {what})"
+            what = "EOF" if isinstance(exc, _Eof) else type(exc).__name__
+            msg = f"stream ended {'mid-frame' if self._mid_frame else 'before DONE'} (connection lost: {what})"
             log.warning("KV transfer %s failed: %s", t.transfer_id, msg)
             t.fail("kv_error", msg)
-        self._closed = True
-        self._buf = bytearray()
-        self._targets = []
 
 
-KVReceiver.protocol_cls = _FrameProtocol
+KVReceiver.connection_cls = _Connection

@@ -20,7 +20,7 @@ import xxhash
 from kv_bridge import wire
 from kv_bridge.config import KVConfig
 from kv_bridge.vllm.layouts import layout_for
-from kv_bridge.receiver import KVReceiver, TransferError, _FrameProtocol
+from kv_bridge.receiver import KVReceiver, TransferError, _Connection
 from kv_bridge.sender import KVSender, sendall_parts
 from stack import free_port, send_then_drain
 
@@ -82,9 +82,8 @@ class _TakenReceiver(KVReceiver):
     taken = 0
     cond = threading.Condition()
 
-    class protocol_cls(_FrameProtocol):
-        def buffer_updated(self, nbytes: int) -> None:
-            super().buffer_updated(nbytes)
+    class connection_cls(_Connection):
+        def took(self, nbytes: int) -> None:
             with _TakenReceiver.cond:
                 _TakenReceiver.taken += nbytes
                 _TakenReceiver.cond.notify_all()
@@ -395,3 +394,95 @@ def test_released_receive_buffers_serve_the_next_transfer_and_failed_ones_are_no
             await rx.stop()
 
     asyncio.run(scenario())
+
+
+def _receiver_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "disagg-kv-recv" and t.is_alive()]
+
+
+class _Recording(KVReceiver):
+    """A receiver that keeps every connection it made (to check each one's socket after it ended)."""
+
+    class connection_cls(_Connection):
+        made: list = []
+
+        def __init__(self, rx, sock):
+            super().__init__(rx, sock)
+            self.made.append(self)
+
+
+def test_connection_threads_end_after_a_cut_and_at_stop():
+    """Each connection is read on a thread of its own: a stream cut mid-frame ends its thread (and its transfer);
+    stop() drops a connection still waiting to send its HEADER and one stalled mid-frame, and waits for both
+    threads, whose sockets the peers then see closed."""
+    k, v = kv_data(10)
+    frame = kv_frame(0, 0, k[0], v[0])
+
+    async def scenario():
+        rx = _Recording(KVConfig())
+        port = free_port()
+        await rx.start("127.0.0.1", port)
+        t = rx.expect("cut", 10, SPEC)
+        await asyncio.to_thread(raw_send([hdr_frame("cut"), frame[:len(frame) // 2]]), port, "cut")
+        with pytest.raises(TransferError, match="mid-frame"):
+            await t.result(10)
+        for _ in range(100):
+            if not _receiver_threads():
+                break
+            await asyncio.sleep(0.02)
+        assert not _receiver_threads() and not rx._conns  # the cut connection's thread ended
+        rx.expect("stalled", 10, SPEC)
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)  # never sends a HEADER
+
+        def stall() -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(hdr_frame("stalled"))
+            s.recv(wire.PREFIX.size + 2 + wire.CRC.size, socket.MSG_WAITALL)  # ACK
+            s.sendall(frame[:len(frame) // 2])  # and no more
+            return s
+        stalled = await asyncio.to_thread(stall)
+        while len(_receiver_threads()) < 2:
+            await asyncio.sleep(0.01)
+        await rx.stop()
+        alive = _receiver_threads()
+        closed = [await asyncio.to_thread(s.recv, 1) == b"" for s in (idle, stalled)]
+        idle.close()
+        stalled.close()
+        return alive, closed, [c.sock.fileno() for c in rx.connection_cls.made]
+
+    alive, closed, fds = asyncio.run(scenario())
+    assert alive == [] and closed == [True, True]
+    assert fds == [-1, -1, -1]  # the cut, the idle and the stalled connection: each socket closed by its thread
+
+
+def test_connections_past_the_bound_are_closed_at_accept():
+    """Each connection costs a thread: past `max_connections` open ones, another is closed before any starts, and
+    once one ends a new connection is served again."""
+    async def scenario():
+        rx = KVReceiver(KVConfig())
+        rx.max_connections = 2
+        port = free_port()
+        await rx.start("127.0.0.1", port)
+        try:
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]  # no HEADER yet
+            while len(_receiver_threads()) < 2:
+                await asyncio.sleep(0.01)
+            extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+            refused = await asyncio.to_thread(extra.recv, 1) == b""
+            threads = len(_receiver_threads())
+            idle.pop().close()  # one ends: its thread sees EOF and goes
+            while len(rx._conns) > 1:
+                await asyncio.sleep(0.01)
+            k, v = kv_data(10)
+            t = rx.expect("after", 10, SPEC)
+            await asyncio.to_thread(send_with_sender(k, v), port, "after")
+            got = await t.result(10)
+            for s in (*idle, extra):
+                s.close()
+            return refused, threads, got
+        finally:
+            await rx.stop()
+
+    refused, threads, got = asyncio.run(scenario())
+    assert refused and threads == 2
+    assert np.array_equal(got.keys, kv_data(10)[0])
