@@ -182,6 +182,7 @@ class _Connection:
         # the way), not those between frames (the prefill computing the next layer). The learned link rate's clock.
         self.link_s, self._last_read = 0.0, None
         self._closed = False
+        self._aborting = False  # this connection is failing the transfer itself: it still owes the sender its ERROR
         self.thread = threading.Thread(target=self._run, name="disagg-kv-recv", daemon=True)
 
     def shutdown(self) -> None:
@@ -350,24 +351,30 @@ class _Connection:
         t.check_header(hdr)
         t.begin(hdr)
         self.hdr, self.mac = hdr, mac
-        t.on_end(self.shutdown)  # a transfer that ends early (timeout, abort, a second connection) drops this one
+        t.on_end(self._transfer_ended)  # a transfer that ends early (timeout, abort, a second connection) drops this one
         self.sock.sendall(wire.json_frame(wire.ACK, {}))
 
     # ---- endings ----
 
+    def _transfer_ended(self) -> None:
+        if not self._aborting:
+            self.shutdown()
+
     def _abort(self, reason: str, msg: str) -> None:
-        """Tell the sender why (best effort), fail the transfer and drop the connection."""
+        """Fail the transfer, then tell the sender why (best effort) and drop the connection. In that order: told, the
+        sender closes its other streams, whose threads would otherwise race to fail the transfer with their EOF."""
         t = self.transfer
         if t is None or not t.ended:
             log.warning("KV transfer %s failed: %s", t.transfer_id if t else "?", msg)
+        self._aborting = True
+        if t is not None:
+            t.fail(reason, msg)
         if not self._closed:
             try:
                 self.sock.settimeout(1.0)
                 self.sock.sendall(wire.json_frame(wire.ERROR, {"message": msg}))
             except OSError:
                 pass
-        if t is not None:
-            t.fail(reason, msg)
 
     def _lost(self, exc: OSError) -> None:
         t = self.transfer
