@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +24,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gateway_nodes(gateway_url: str, timeout: float = 5) -> dict[str, bool]:
+    """The gateway's GET /health: node name -> up, as its health checks see them."""
+    try:
+        with urllib.request.urlopen(gateway_url + "/health", timeout=timeout) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:  # 503 while no decode node is up: the body still lists the nodes
+        if e.code != 503:
+            raise
+        body = e.read()
+    return {n["name"]: n["up"] for n in json.loads(body)["nodes"]}
+
+
+def in_thread(fn, *args) -> Future:
+    """fn(*args) in a thread of its own, started now: e.g. MLX alone's reference computed while a stack (other
+    processes) answers the request it is the reference for. The caller waits on `.result()`."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return future
 
 
 def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
@@ -234,15 +256,7 @@ class Stack:
     def wait_gateway_sees(self, node: str, up: bool = True, timeout: float = 60) -> None:
         """Until the gateway's health checks show `node` up (or down)."""
         for _ in range(int(timeout / 0.5)):
-            try:
-                with urllib.request.urlopen(self.url("gateway") + "/health", timeout=5) as r:
-                    body = r.read()
-            except urllib.error.HTTPError as e:  # 503 while no decode node is up: the body still lists the nodes
-                if e.code != 503:
-                    raise
-                body = e.read()
-            nodes = {n["name"]: n["up"] for n in json.loads(body)["nodes"]}
-            if nodes[node] == up:
+            if gateway_nodes(self.url("gateway"))[node] == up:
                 return
             time.sleep(0.5)
         raise AssertionError(f"the gateway never saw {node} {'up' if up else 'down'}")

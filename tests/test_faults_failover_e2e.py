@@ -17,11 +17,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from stack import MODEL_ID, Stack
+from stack import MODEL_ID, Stack, in_thread
 
 pytestmark = pytest.mark.e2e
 FALLBACK_REASONS = ("kv_aborted", "kv_error", "kv_timeout")
@@ -190,18 +189,9 @@ def test_decode_node_killed_mid_stream_fails_over_and_comes_back(stack2):
     assert body["choices"][0]["message"]["content"]
 
 
-def mlx_alone_meanwhile(mlx_ref, hf_tokenizer, content: str, max_tokens: int) -> Future:
-    """mlx_alone in a thread of this process, started before the request whose local prefill it is the reference
-    for: the two MLX prefills (here and on the decode node) run side by side, not one after the other."""
-    pool = ThreadPoolExecutor(1)
-    ref = pool.submit(mlx_alone, mlx_ref, hf_tokenizer, content, max_tokens)
-    pool.shutdown(wait=False)  # the thread ends with its one task; the caller waits on ref.result()
-    return ref
-
-
 def test_kv_connection_cut_mid_frame_falls_back_to_local_prefill(stack2, relay, mlx_ref, hf_tokenizer):
     content = "Cut: " + LONG_PROMPT
-    ref = mlx_alone_meanwhile(mlx_ref, hf_tokenizer, content, 8)
+    ref = in_thread(mlx_alone, mlx_ref, hf_tokenizer, content, 8)  # beside the decode node's own local prefill
     relay.rate, relay.cut_after = None, 300_001  # well inside the first layers' frames, not at a boundary
     befores = {r: fallbacks(stack2, r) for r in FALLBACK_REASONS}
     try:
@@ -221,7 +211,7 @@ def test_kv_connection_cut_mid_frame_falls_back_to_local_prefill(stack2, relay, 
 
 def test_prefill_node_killed_mid_transfer_falls_back_to_local_prefill(stack2, relay, mlx_ref, hf_tokenizer):
     content = "Kill: " + LONG_PROMPT
-    ref = mlx_alone_meanwhile(mlx_ref, hf_tokenizer, content, 8)
+    ref = in_thread(mlx_alone, mlx_ref, hf_tokenizer, content, 8)  # beside the decode node's own local prefill
     relay.rate = 1_000_000  # ~46 KB of float32 KV per token here: a transfer of ~4 s, killed ~0.5 s in
     result: dict = {}
 

@@ -20,7 +20,6 @@ import asyncio
 import json
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import numpy as np
@@ -30,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kv_bridge.config import KVConfig
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver
-from stack import MODEL_DIR, MODEL_ID, Stack, free_port
+from stack import MODEL_DIR, MODEL_ID, Stack, free_port, in_thread
 from test_e2e import MAX_TOKENS, mlx_alone, post
 from test_kv_fidelity import TEXT
 from tiny_vllm import Job, register
@@ -154,9 +153,7 @@ def test_second_turn_moves_only_new_kv(pstack, mlx_ref, hf_tokenizer):
     turn2 = turn1 + [{"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "Which of them is the longest?"}]
     ids2 = template(hf_tokenizer, turn2)
-    pool = ThreadPoolExecutor(1)  # MLX alone on the whole turn 2 here, beside the stack answering it
-    ref = pool.submit(mlx_alone, mlx_ref, ids2)
-    pool.shutdown(wait=False)
+    ref = in_thread(mlx_alone, mlx_ref, ids2)  # MLX alone on the whole turn 2 here, beside the stack answering it
     h2, b2, moved2 = chat(pstack, turn2)
     p = int(h2["x-disagg-prefix-tokens"])
     assert b2["usage"]["prompt_tokens"] == len(ids2)

@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from stack import gateway_nodes
+
 
 ROOT = Path(__file__).resolve().parents[1]
 URL_LINE = re.compile(r"ready at (http://\S+/v1)")
@@ -233,13 +235,11 @@ def _chat(url: str, content: str) -> tuple[int, dict, str]:
 def _gateway_sees_up(url: str, node: str) -> bool:
     """Whether the gateway's GET /health lists `node` up (False while the gateway cannot be reached)."""
     try:
-        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:  # 503 while no decode node is up: the body still lists the nodes
-        body = e.read()
+        return gateway_nodes(url.removesuffix("/v1"), timeout=10).get(node, False)
+    except urllib.error.HTTPError:  # answered, but not with its node list
+        raise
     except (urllib.error.URLError, ConnectionError):
         return False
-    return any(n["name"] == node and n["up"] for n in json.loads(body)["nodes"])
 
 
 def _role_pid(up_pid: int, role: str) -> int:

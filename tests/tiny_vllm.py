@@ -71,7 +71,6 @@ def register(job: Job) -> Job:
 def prefill_main(jobs_file: str) -> None:
     """Subprocess entry: each job's engine in turn (vLLM's LLMEngine, in this process), shut down before the next."""
     spec = json.loads(Path(jobs_file).read_text())
-    os.environ.update(spec["env"])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process: ~20 s sooner
     import vllm.envs as envs
@@ -138,9 +137,9 @@ def _preemptions(engine) -> int:
     return sum(getattr(m, "value", 0) for m in engine.get_metrics() if m.name == "vllm:num_preemptions")
 
 
-async def run_jobs(jobs: list[dict], tmp: Path, env: dict | None = None) -> tuple[list[list], dict[str, int]]:
-    """Run `jobs` (name, model, mlx, prompts; optional starts, engine, batch, config, env) in one vLLM subprocess
-    with `env` set in it: (received KV per prompt per job, {"preemptions": n, "cached": [per prompt]} per job name)."""
+async def run_jobs(jobs: list[dict], tmp: Path) -> tuple[list[list], dict[str, dict]]:
+    """Run `jobs` (name, model, mlx, prompts; optional starts, engine, batch, config, env) in one vLLM subprocess:
+    (received KV per prompt per job, {"preemptions": n, "cached": [per prompt]} per job name)."""
     from kv_bridge.config import KVConfig
     from kv_bridge.fingerprint import kv_spec
     from kv_bridge.receiver import KVReceiver
@@ -149,7 +148,7 @@ async def run_jobs(jobs: list[dict], tmp: Path, env: dict | None = None) -> tupl
     receiver, port = KVReceiver(KVConfig()), free_port()
     await receiver.start("127.0.0.1", port)
     try:
-        transfers, spec = [], {"port": port, "out": str(tmp / "out.json"), "env": env or {}, "jobs": []}
+        transfers, spec = [], {"port": port, "out": str(tmp / "out.json"), "jobs": []}
         for job in jobs:
             tids = [uuid.uuid4().hex for _ in job["prompts"]]
             starts = job.get("starts") or [0] * len(job["prompts"])
