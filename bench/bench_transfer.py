@@ -3,7 +3,8 @@
 Run from the repository root:  .venv/bin/python bench/bench_transfer.py [--reps 5] [--sizes 1024,4096,8192] [--no-profile]
 The receiver runs in this process as on a decode node (a loop thread accepts, each connection is read on a thread
 of its own), the sender from the main thread (its writer thread sends), as on the nodes. A profile follows (skip
-it with --no-profile): where the time goes, what-if receive paths.
+it with --no-profile): where the time goes, and what the frames' checksums cost (a what-if with them
+stubbed out). On the site the two ends are separate machines: bench/bench_link.py measures over an emulated link.
 """
 
 from __future__ import annotations
@@ -239,62 +240,42 @@ def fill_rates(layers, reps: int = 3) -> dict[str, float]:
             "fill reused (L, H, T, D) buffer": best(lambda: reused)}
 
 
-class _IntoBuffer(asyncio.BufferedProtocol):
-    """What-if receiver: the event loop recv_into()s straight into a preallocated buffer (no StreamReader)."""
+class _NoHash:
+    """A running checksum that hashes nothing (what-if only: a stream checked by it is not checked at all)."""
 
-    def __init__(self, dest: memoryview, done: asyncio.Future):
-        self.dest, self.got, self.done, self.transport = dest, 0, done, None
+    def update(self, piece) -> None:
+        pass
 
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def get_buffer(self, sizehint):
-        return self.dest[self.got:]
-
-    def buffer_updated(self, nbytes):
-        self.got += nbytes
-        if self.got >= len(self.dest) and not self.done.done():
-            self.transport.close()  # nothing more is expected; an empty buffer would be a protocol error
-            self.done.set_result(None)
-
-    def eof_received(self):
-        if not self.done.done():
-            self.done.set_exception(RuntimeError("sender closed early"))
+    def intdigest(self) -> int:
+        return 0
 
 
-def asyncio_once(lt: LoopThread, per_layer: int, payload: bytes, mode: str) -> float:
-    """Raw bytes into the loop thread: `readexactly` per layer-sized frame, or `into`."""
-    total, port = L * per_layer, free_port()
-    dest = bytearray(total)
-
-    async def serve():
-        done = asyncio.get_running_loop().create_future()
-
-        async def handle(reader, writer):
-            for _ in range(L):
-                await reader.readexactly(per_layer)
-            done.set_result(None)
-            writer.close()
-        if mode == "into":
-            srv = await asyncio.get_running_loop().create_server(lambda: _IntoBuffer(memoryview(dest), done),
-                                                                 "127.0.0.1", port)
-        else:
-            srv = await asyncio.start_server(handle, "127.0.0.1", port, limit=1 << 20)  # as KVReceiver
-        return srv, done
-
-    async def finish(srv, done):
-        await asyncio.wait_for(done, 120)
-        srv.close()
-
-    srv, done = lt.call(serve())
-    mv = memoryview(payload)
-    t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(L):
-            s.sendall(mv[i * per_layer:(i + 1) * per_layer])
-        lt.call(finish(srv, done))
-    return time.perf_counter() - t0
+def without_hashing(lt: LoopThread, n: int, reps: int) -> None:
+    """What the frames' integrity check costs here: the bridge as it is vs the same with both sides' xxh3 stubbed
+    out, interleaved (the stubbed stream sends and checks a checksum of 0)."""
+    layers = kv_layers(n, seed=5)
+    rx, port = KVReceiver(KVConfig()), free_port()
+    lt.call(rx.start("127.0.0.1", port))
+    sender, kept = KVSender(), (wire._running_checksum, wire.kv_digest)
+    times = {"as it is": [], "xxh3 stubbed out (unsafe)": []}
+    try:
+        for i in range(reps + 1):
+            for label in times:
+                if label != "as it is":
+                    wire._running_checksum = lambda ftype: _NoHash() if ftype == wire.KV else kept[0](ftype)
+                    wire.kv_digest = lambda first: _NoHash()
+                try:
+                    dt, _ = bridge_once(lt, rx, sender, port, layers, f"nohash-{label[:2]}-{i}")
+                finally:
+                    wire._running_checksum, wire.kv_digest = kept
+                if i:  # the first round warms both up
+                    times[label].append(dt)
+    finally:
+        sender.shutdown()
+        lt.call(rx.stop())
+    print(f"  the frames' checksums, {n} tokens, {reps} bridge transfers each, interleaved (median ms):")
+    for label, ts in times.items():
+        print(f"    {label:<40}{statistics.median(ts) * 1e3:7.1f}")
 
 
 def profile(lt: LoopThread, n: int, reps: int) -> None:
@@ -319,21 +300,13 @@ def profile(lt: LoopThread, n: int, reps: int) -> None:
     print("  sender writer thread, summed over frames (sendmsg includes waiting for the receiver):")
     for k, v in sender.t.items():
         print(f"    {k:<26}{v:8.3f} s  {v / total * 100:5.1f}% of wall")
-    payload = np.concatenate([np.concatenate([k.ravel(), v.ravel()]) for k, v in layers]).tobytes()
-    print(f"  the same {L * frame / 1e6:.0f} MB from a raw sendall sender into the loop thread, best of {reps} "
-          f"(GB/s; ratio to raw recv_into in a plain thread):")
-    raw = min(raw_once(frame, payload) for _ in range(reps))
-    print(f"    {'raw recv_into (baseline)':<40}{L * frame / raw / 1e9:7.2f}   1.00x")
-    for mode in ("readexactly", "into"):  # the receiver used readexactly before it used into
-        t = min(asyncio_once(lt, frame, payload, mode) for _ in range(reps))
-        label = {"readexactly": "asyncio StreamReader.readexactly", "into": "asyncio BufferedProtocol recv_into"}[mode]
-        print(f"    {label:<40}{L * frame / t / 1e9:7.2f}  {raw / t:5.2f}x")
     print(f"  pieces alone on one {frame / 1e6:.1f} MB frame (best of 5, GB/s, no sockets; buffers warm in cache):")
     for k, v in micro(frame).items():
         print(f"    {k:<40}{v:7.2f}")
     print(f"  receive buffers ({L * frame / 2e6:.0f} MB of K, best of 3, GB/s): page faults of a fresh buffer per transfer:")
     for k, v in fill_rates(layers).items():
         print(f"    {k:<40}{v:7.2f}")
+    without_hashing(lt, min(1024, n), 9)  # at 1k tokens: where the bridge falls shortest of the raw socket
 
 
 def run(sizes: list[int], reps: int) -> tuple[list[dict], LoopThread]:
