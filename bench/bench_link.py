@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_transfer import D, H, L, SPEC, LoopThread, free_port, kv_layers  # noqa: E402
+from bench_transfer import D, H, L, SPEC, LoopThread, RawReceiver, free_port, kv_layers, raw_send  # noqa: E402
 from kv_bridge import wire  # noqa: E402
 from kv_bridge.config import AuthConfig, KVConfig  # noqa: E402
 from kv_bridge.receiver import KVReceiver  # noqa: E402
@@ -89,10 +87,7 @@ def child(n: int, host: str) -> None:
             s.close(tid)
             s.flush()
         else:
-            with socket.create_connection((host, int(port))) as c:
-                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for i in range(L):
-                    c.sendall(payload[i * per_layer:(i + 1) * per_layer])
+            with raw_send(host, int(port), payload, per_layer) as c:
                 c.recv(1)  # the receiver closes once it holds every byte
         print("ok", flush=True)
 
@@ -141,28 +136,13 @@ class DecodeEnd:
         return dt
 
     def _raw(self, tid: str) -> float:
-        port, done, dest = free_port(), threading.Event(), bytearray(self.nbytes)
-        srv = socket.create_server((self.host, port))
-
-        def receive():
-            conn, _ = srv.accept()
-            with conn:
-                view, got = memoryview(dest), 0
-                while got < self.nbytes:
-                    r = conn.recv_into(view[got:], min(self.nbytes - got, 1 << 20))
-                    if r == 0:
-                        raise RuntimeError("raw sender closed early")
-                    got += r
-            done.set()
-        th = threading.Thread(target=receive, daemon=True)
-        th.start()
+        rx = RawReceiver(self.host, self.nbytes)
         t0 = time.perf_counter()
-        self._ask("raw", tid, port)
-        done.wait(120)
+        self._ask("raw", tid, rx.port)
+        rx.done.wait(120)
         dt = time.perf_counter() - t0
         self._answered()
-        th.join()
-        srv.close()
+        rx.close()
         return dt
 
     def close(self) -> None:

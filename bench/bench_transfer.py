@@ -17,6 +17,7 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -83,37 +84,63 @@ def bridge_once(lt: LoopThread, rx: KVReceiver, sender: KVSender, port: int, lay
     return dt, got.nbytes
 
 
-def raw_once(nbytes_per_layer: int, payload: bytes) -> float:
-    """Seconds to move L * nbytes_per_layer bytes: sendall per layer-sized chunk, recv_into a preallocated buffer."""
-    total = L * nbytes_per_layer
+@contextmanager
+def ends(lt: LoopThread, rx: KVReceiver, sender: KVSender):
+    """A receiver listening on loopback (its port yielded) and a sender; both stopped on the way out."""
     port = free_port()
-    srv = socket.create_server(("127.0.0.1", port))
-    done = threading.Event()
-    dest = bytearray(total)
+    lt.call(rx.start("127.0.0.1", port))
+    try:
+        yield port
+    finally:
+        sender.shutdown()
+        lt.call(rx.stop())
 
-    def receive():
-        conn, _ = srv.accept()
+
+class RawReceiver:
+    """The raw baseline's receiving end: a plain thread, blocked in accept() before any clock starts, that reads
+    `nbytes` from one connection into a preallocated buffer with recv_into."""
+
+    def __init__(self, host: str, nbytes: int):
+        self.nbytes, self.port, self.done = nbytes, free_port(), threading.Event()
+        self.srv = socket.create_server((host, self.port))
+        self.dest = bytearray(nbytes)
+        self.thread = threading.Thread(target=self._receive, daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        conn, _ = self.srv.accept()
         with conn:
-            view, got = memoryview(dest), 0
-            while got < total:
-                r = conn.recv_into(view[got:], min(total - got, 1 << 20))
+            view, got = memoryview(self.dest), 0
+            while got < self.nbytes:
+                r = conn.recv_into(view[got:], min(self.nbytes - got, 1 << 20))
                 if r == 0:
                     raise RuntimeError("raw sender closed early")
                 got += r
-        done.set()
+        self.done.set()
 
-    th = threading.Thread(target=receive, daemon=True)
-    th.start()
-    mv = memoryview(payload)
+    def close(self) -> None:
+        self.thread.join()
+        self.srv.close()
+
+
+def raw_send(host: str, port: int, payload: memoryview, nbytes_per_layer: int) -> socket.socket:
+    """The raw baseline's sending end: a connection that has written `payload` with one sendall per layer-sized
+    chunk (the caller closes it)."""
+    s = socket.create_connection((host, port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for i in range(L):
+        s.sendall(payload[i * nbytes_per_layer:(i + 1) * nbytes_per_layer])
+    return s
+
+
+def raw_once(nbytes_per_layer: int, payload: bytes) -> float:
+    """Seconds to move L * nbytes_per_layer bytes: sendall per layer-sized chunk, recv_into a preallocated buffer."""
+    rx = RawReceiver("127.0.0.1", L * nbytes_per_layer)
     t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(L):
-            s.sendall(mv[i * nbytes_per_layer:(i + 1) * nbytes_per_layer])
-        done.wait(120)
+    with raw_send("127.0.0.1", rx.port, memoryview(payload), nbytes_per_layer):
+        rx.done.wait(120)
     dt = time.perf_counter() - t0
-    th.join()
-    srv.close()
+    rx.close()
     return dt
 
 
@@ -254,11 +281,9 @@ def without_hashing(lt: LoopThread, n: int, reps: int) -> None:
     """What the frames' integrity check costs here: the bridge as it is vs the same with both sides' xxh3 stubbed
     out, interleaved (the stubbed stream sends and checks a checksum of 0)."""
     layers = kv_layers(n, seed=5)
-    rx, port = KVReceiver(KVConfig()), free_port()
-    lt.call(rx.start("127.0.0.1", port))
-    sender, kept = KVSender(), (wire._running_checksum, wire.kv_digest)
+    rx, sender, kept = KVReceiver(KVConfig()), KVSender(), (wire._running_checksum, wire.kv_digest)
     times = {"as it is": [], "xxh3 stubbed out (unsafe)": []}
-    try:
+    with ends(lt, rx, sender) as port:
         for i in range(reps + 1):
             for label in times:
                 if label != "as it is":
@@ -270,9 +295,6 @@ def without_hashing(lt: LoopThread, n: int, reps: int) -> None:
                     wire._running_checksum, wire.kv_digest = kept
                 if i:  # the first round warms both up
                     times[label].append(dt)
-    finally:
-        sender.shutdown()
-        lt.call(rx.stop())
     print(f"  the frames' checksums, {n} tokens, {reps} bridge transfers each, interleaved (median ms):")
     for label, ts in times.items():
         print(f"    {label:<40}{statistics.median(ts) * 1e3:7.1f}")
@@ -281,17 +303,14 @@ def without_hashing(lt: LoopThread, n: int, reps: int) -> None:
 def profile(lt: LoopThread, n: int, reps: int) -> None:
     layers = kv_layers(n, seed=9)
     frame = layers[0][0].nbytes * 2
-    rx, port = TimedReceiver(KVConfig()), free_port()
-    lt.call(rx.start("127.0.0.1", port))
-    sender = TimedSender()
+    rx, sender = TimedReceiver(KVConfig()), TimedSender()
     total = 0.0
     try:
-        for i in range(reps):
-            dt, _ = bridge_once(lt, rx, sender, port, layers, f"prof-{n}-{i}")
-            total += dt
+        with ends(lt, rx, sender) as port:
+            for i in range(reps):
+                dt, _ = bridge_once(lt, rx, sender, port, layers, f"prof-{n}-{i}")
+                total += dt
     finally:
-        sender.shutdown()
-        lt.call(rx.stop())
         rx.restore()
     print(f"\nprofile, {n} tokens ({frame / 1e6:.1f} MB frames), {reps} bridge transfers, {total:.3f} s wall in all:")
     print("  receiver connection thread, summed over frames:")
@@ -311,11 +330,9 @@ def profile(lt: LoopThread, n: int, reps: int) -> None:
 
 def run(sizes: list[int], reps: int) -> tuple[list[dict], LoopThread]:
     lt = LoopThread()
-    rx, port = KVReceiver(KVConfig()), free_port()
-    lt.call(rx.start("127.0.0.1", port))
-    sender = KVSender()
+    rx, sender = KVReceiver(KVConfig()), KVSender()
     rows = []
-    try:
+    with ends(lt, rx, sender) as port:
         for n in sizes:
             layers = kv_layers(n)
             per_layer = layers[0][0].nbytes + layers[0][1].nbytes
@@ -332,9 +349,6 @@ def run(sizes: list[int], reps: int) -> tuple[list[dict], LoopThread]:
             rows.append({"n": n, "bytes": L * per_layer, "bridge": tb, "raw": tr})
             print(f"  {n:>5} tok: bridge " + " ".join(f"{t * 1e3:.0f}" for t in tb) + " ms; raw "
                   + " ".join(f"{t * 1e3:.0f}" for t in tr) + " ms", flush=True)
-    finally:
-        sender.shutdown()
-        lt.call(rx.stop())
     return rows, lt
 
 
