@@ -55,15 +55,22 @@ QUICK_WORKERS ?= 2
 test-quick: install models tools
 	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
 
-# The CUDA-only tests (tests/test_kv_cuda.py) on a machine with torch + CUDA and nothing else: a venv over the
-# system's torch adds pytest and numpy only, and skips the suite's conftest (its fixtures import the gateway and
-# both engines). Refuses to "pass" by skipping: it checks for a GPU first.
+# The CUDA tests (tests/test_kv_cuda.py) on a machine with torch + CUDA and nothing else. An interpreter that already
+# has torch, pytest and numpy (the prefill image's python3: `docker run --rm --gpus all --entrypoint make
+# disagg-prefill test-gpu`) runs them as it is; otherwise a venv over the system's torch adds pytest and numpy only.
+# Skips the suite's conftest (its fixtures import the gateway and both engines). VLLM_GPU_SYNC_CHECK is vLLM 0.32's
+# GPU<->CPU sync check (vllm/envs.py): where vLLM is installed a test runs the extraction under it. Refuses to
+# "pass" by skipping: it checks for a GPU first.
 GPU_VENV ?= .venv-gpu
+GPU_SYNC_CHECK ?= warn
 test-gpu:
-	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs torch with CUDA and a GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())"
-	$(GPU_VENV)/bin/python -m pip install -q pytest numpy
-	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/test_kv_cuda.py
+	if $(PYTHON) -c "import torch, pytest, numpy" 2>/dev/null; then py=$(PYTHON); else \
+	  test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV) || exit 1; \
+	  py=$(GPU_VENV)/bin/python; fi; \
+	$$py -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs torch with CUDA and a GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" \
+	&& { [ "$$py" = "$(PYTHON)" ] || $$py -m pip install -q pytest numpy; } \
+	&& VLLM_GPU_SYNC_CHECK=$(GPU_SYNC_CHECK) PYTHONPATH=$(CURDIR) \
+	  $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/test_kv_cuda.py
 
 clean:
 	rm -rf .disagg

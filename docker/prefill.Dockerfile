@@ -13,13 +13,20 @@ COPY pyproject.toml README.md ./
 COPY kv_bridge ./kv_bridge
 COPY backends ./backends
 COPY gateway ./gateway
+# `make test-gpu` inside the image (docs/kv_bridge.md): its Makefile, the CUDA tests, make, and pytest beside the
+# base's torch and numpy. `docker run --rm --gpus all --entrypoint make disagg-prefill test-gpu`.
+COPY Makefile ./
+COPY tests/test_kv_cuda.py ./tests/
 # The base's vLLM stays (base dependencies only unless WITH_VLLM=1). The connector's own version check runs here,
 # so an image with a vLLM outside the tested range fails to build rather than restart-loop at engine start.
-# DL3013: this installs the project itself; its dependencies are pinned in pyproject.toml.
-# hadolint ignore=DL3013
-RUN if [ "$WITH_VLLM" = 1 ]; then spec=".[prefill]"; else spec="."; fi \
- && python3 -m pip install --no-cache-dir "$spec" \
+# DL3013: this installs the project itself; its dependencies are pinned in pyproject.toml. DL3008: make from the
+# base's Ubuntu, whichever version it carries.
+# hadolint ignore=DL3013,DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/* \
+ && if [ "$WITH_VLLM" = 1 ]; then spec=".[prefill]"; else spec="."; fi \
+ && python3 -m pip install --no-cache-dir "$spec" pytest \
  && python3 -m kv_bridge.vllm.checks \
+ && python3 -c "import numpy, pytest" \
  && python3 -c "import torch, kv_bridge.vllm.connector; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
 # The node listens on the HTTP port of its [[nodes]] entry; it sends KV out, so no KV port is opened here.
