@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--probe-mib", type=float, default=64.0, help="test transfer size per pair (0: no probe)")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
+    st.add_argument("--no-fidelity", action="store_true", help="skip the KV fidelity canary of each pair")
     st.set_defaults(func=_cmd_status)
 
     for role, func in (("prefill", _cmd_prefill), ("decode", _cmd_decode)):
@@ -116,7 +117,8 @@ def _cmd_config_check(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from backends import status
 
-    return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout)
+    return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout,
+                       fidelity=not args.no_fidelity)
 
 
 def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from backends.sampling import make_sampling, token_logprobs
+from backends.decode_batch import Batch, LeadingSpace, token_line
+from backends.sampling import make_sampling
 from kv_bridge.fingerprint import kv_spec
-from kv_bridge.protocol import Sampling, TokenLine
+from kv_bridge.protocol import Sampling
 
 log = logging.getLogger("backends.decode_node")
 
@@ -43,6 +44,16 @@ class Job:
     grammar: object | None = None
 
 
+@dataclass(eq=False)
+class Task:
+    """Other work for the MLX thread (the fidelity canary): `work()` returns a generator that the loop advances one
+    step per batch step, so a long piece of work never stalls the batch; its return value settles `future`."""
+
+    work: Callable[[], object]
+    future: Future = field(default_factory=Future)
+    steps: object | None = None
+
+
 class MLXModel:
     """The model, its tokenizer and the one thread that may touch them."""
 
@@ -56,7 +67,8 @@ class MLXModel:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
         self.model = self.tokenizer = self.grammars = None
         self.spec = kv_spec(path)
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Job | Task | None] = queue.SimpleQueue()
+        self._tasks: list[Task] = []  # MLX thread only
         self.failure: str | None = None  # set when the MLX loop itself died: the node can serve nothing more
         self.batch_size = self.cache_bytes = 0  # published by the MLX thread after every step, read by /health
 
@@ -111,6 +123,12 @@ class MLXModel:
         if self.failure is not None:  # the loop may have drained its inbox before this job arrived
             self._fail_queued()
 
+    def run_task(self, work: Callable[[], object]) -> Future:
+        """Any thread: run `work()`'s generator on the MLX thread between batch steps; the future gets its result."""
+        task = Task(work)
+        self.submit(task)
+        return task.future
+
     def _fail_queued(self) -> None:
         """Every queued job gets the loop's failure and leaves (any thread; the inbox hands each job out once)."""
         while True:
@@ -118,7 +136,9 @@ class MLXModel:
                 job = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
+            if isinstance(job, Task):
+                job.future.set_exception(RuntimeError(self.failure))
+            elif job is not None:
                 job.emit(("error", self.failure))
                 job.emit(None)
 
@@ -155,27 +175,47 @@ class MLXModel:
 
     def _run(self) -> None:
         """The MLX thread's loop: admit what arrived, step the batch, deliver, drop what finished or was cancelled."""
-        batch = _Batch(self) if self.kv_bits is None else None
+        batch = Batch(self) if self.kv_bits is None else None
         try:
             while True:
-                for job in self._arrivals(block=batch is None or not batch.jobs):
+                for job in self._arrivals(block=(batch is None or not batch.jobs) and not self._tasks):
                     if job is None:
                         return
-                    if batch is None:
+                    if isinstance(job, Task):
+                        self._tasks.append(job)
+                    elif batch is None:
                         self._run_alone(job)
                     else:
                         batch.add(job)
                 if batch is not None:
                     batch.step()
                     self.batch_size, self.cache_bytes = len(batch.jobs), batch.nbytes()
+                self._advance_tasks()
         except Exception as e:  # the loop itself broke (not one request): nothing can be served any more
             log.exception("MLX loop for %s died", self.model_id)
             self.failure = f"the MLX loop for {self.model_id} died: {type(e).__name__}: {e}"
             if batch is not None:
                 batch.abandon(self.failure)
+            for task in self._tasks:
+                task.future.set_exception(RuntimeError(self.failure))
             self._fail_queued()  # no request waits forever: /health now answers 503, the gateway fails over
 
-    def _arrivals(self, block: bool) -> list[Job | None]:
+    def _advance_tasks(self) -> None:
+        """One step of each task; a finished or failed one settles its future and leaves."""
+        for task in list(self._tasks):
+            try:
+                if task.steps is None:
+                    task.steps = task.work()
+                next(task.steps)
+            except StopIteration as done:
+                self._tasks.remove(task)
+                task.future.set_result(done.value)
+            except Exception as e:  # the task's own failure, never the loop's
+                log.exception("MLX task failed")
+                self._tasks.remove(task)
+                task.future.set_exception(e)
+
+    def _arrivals(self, block: bool) -> list[Job | Task | None]:
         jobs = [self._inbox.get()] if block else []
         while True:
             try:
@@ -194,13 +234,13 @@ class MLXModel:
             cache = job.make_cache() if job.make_cache else make_prompt_cache(self.model)
             self.batch_size, self.cache_bytes = 1, _nbytes(cache)
             sampler, processors = make_sampling(job.gen, job.history, self.vocab_size, job.grammar)
-            lead = _LeadingSpace(self.tokenizer)
+            lead = LeadingSpace(self.tokenizer)
             fed = [*job.history, *job.tokens]
             for r in stream_generate(self.model, self.tokenizer, job.tokens, max_tokens=job.gen.max_tokens,
                                      sampler=sampler, logits_processors=processors, prompt_cache=cache,
                                      kv_bits=self.kv_bits, kv_group_size=self.kv_group_size, quantized_kv_start=0):
                 fed.append(r.token)
-                line = _token_line(r.token, lead.fix(r.token, r.text), r.logprobs, job.gen)
+                line = token_line(r.token, lead.fix(r.token, r.text), r.logprobs, job.gen)
                 job.emit(("token", line, r.finish_reason))
                 if job.cancel.is_set():
                     break
@@ -212,119 +252,6 @@ class MLXModel:
         finally:
             self.batch_size = self.cache_bytes = 0
             job.emit(None)
-
-
-@dataclass(eq=False)
-class _Running:
-    """A job in the batch and its own streaming detokenizer."""
-
-    job: Job
-    detokenizer: object
-    lead: "_LeadingSpace"
-
-    def text(self, token: int, finish_reason: str | None) -> str:
-        """The token's text as stream_generate gives it: an EOS token adds none, the last token flushes."""
-        if finish_reason != "stop":
-            self.detokenizer.add_token(token)
-        if finish_reason is not None:
-            self.detokenizer.finalize()
-        return self.lead.fix(token, self.detokenizer.last_segment)
-
-
-class _Batch:
-    """mlx-lm's BatchGenerator and the jobs in it, by uid. MLX thread only.
-
-    Each job brings its own sampler and logits processors (BatchGenerator applies them row by row); its
-    `history` goes in as the uid's `all_tokens`, so penalties see the prompt tokens whose KV came from prefill.
-    EOS ends a row with finish_reason "stop"; stop strings are matched on the asyncio side, which cancels.
-    """
-
-    def __init__(self, m: MLXModel):
-        self.m, self.jobs = m, {}
-        self.gen = self._generator()
-
-    def _generator(self):
-        from mlx_lm.generate import BatchGenerator
-
-        m = self.m
-        return BatchGenerator(m.model, stop_tokens=[[t] for t in m.tokenizer.eos_token_ids],
-                              completion_batch_size=m.max_batch_size, prefill_batch_size=min(8, m.max_batch_size))
-
-    def add(self, job: Job) -> None:
-        if job.cancel.is_set():
-            job.emit(None)
-            return
-        try:
-            cache = job.make_cache() if job.make_cache else None
-            sampler, processors = make_sampling(job.gen, [], self.m.vocab_size, job.grammar)
-            (uid,) = self.gen.insert([job.tokens], max_tokens=[job.gen.max_tokens], caches=[cache],
-                                     all_tokens=[list(job.history)], samplers=[sampler],
-                                     logits_processors=[processors])
-        except Exception as e:
-            log.exception("could not start generation")
-            job.emit(("error", f"{type(e).__name__}: {e}"))
-            job.emit(None)
-            return
-        self.jobs[uid] = _Running(job, self.m.tokenizer.detokenizer, _LeadingSpace(self.m.tokenizer))
-
-    def step(self) -> None:
-        self._drop([uid for uid, r in self.jobs.items() if r.job.cancel.is_set()])
-        if not self.jobs:
-            return
-        try:
-            _, responses = self.gen.next()
-        except Exception as e:  # a failed step leaves the batch unusable: fail its jobs, start a fresh one
-            log.exception("batch step failed")
-            self._fail_all(f"{type(e).__name__}: {e}")
-            return
-        for r in responses:
-            self._deliver(r)
-
-    def nbytes(self) -> int:
-        return self.gen.prompt_cache_nbytes
-
-    def _deliver(self, r) -> None:
-        run = self.jobs[r.uid]
-        line = _token_line(r.token, run.text(r.token, r.finish_reason), r.logprobs, run.job.gen)
-        run.job.emit(("token", line, r.finish_reason))
-        if r.finish_reason is not None:  # BatchGenerator has already dropped the uid
-            del self.jobs[r.uid]
-            _finish(run.job, r.all_tokens, r.prompt_cache)
-
-    def _drop(self, uids: list[int]) -> None:
-        if not uids:
-            return
-        want = any(self.jobs[uid].job.on_finished for uid in uids)
-        caches = self.gen.remove(uids, return_prompt_caches=want)
-        for uid in uids:
-            cache, tokens = caches.get(uid, (None, None))
-            _finish(self.jobs.pop(uid).job, tokens, cache)
-
-    def _fail_all(self, message: str) -> None:
-        self.abandon(message)
-        self.gen = self._generator()
-
-    def abandon(self, message: str) -> None:
-        """Every job in the batch gets `message` as its error and leaves; the generator is closed."""
-        for run in self.jobs.values():
-            run.job.emit(("error", message))
-            run.job.emit(None)
-        self.jobs.clear()
-        try:
-            self.gen.close()
-        except Exception:  # a generator that broke may not close cleanly; it is dropped either way
-            log.exception("closing the batch generator failed")
-
-
-def _finish(job: Job, tokens: list[int] | None, cache: list | None) -> None:
-    """Hand the final cache on (if anyone wants it), then tell the request it has left the loop."""
-    try:
-        if job.on_finished is not None and cache is not None:
-            job.on_finished(list(tokens), cache)
-    except Exception:
-        log.exception("on_finished failed")
-    finally:
-        job.emit(None)
 
 
 def _harmony_stops(tokenizer) -> None:
@@ -349,29 +276,3 @@ def _grammar_compiler(tokenizer, vocab_size: int):
 
 def _nbytes(cache: list) -> int:
     return sum(c.nbytes for c in cache)
-
-
-class _LeadingSpace:
-    """mlx-lm's BPE streaming detokenizer drops the leading space of the first text it emits (" Paris" -> "Paris");
-    vLLM and the tokenizer's own decode keep it, and a raw completion needs it. Restore it on the first segment."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.ids, self.settled = tokenizer, [], False
-
-    def fix(self, token: int, text: str) -> str:
-        if self.settled:
-            return text
-        self.ids.append(token)
-        if not text:
-            return text
-        self.settled = True
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return " " + text if full.startswith(" ") and not text.startswith(" ") else text
-
-
-def _token_line(token: int, text: str, logprobs, gen: Sampling) -> TokenLine:
-    """The token line for one sampled token (MLX thread: logprobs read an mx.array)."""
-    if gen.logprobs is None:
-        return TokenLine(token, text)
-    lp, top = token_logprobs(logprobs, token, gen.logprobs)
-    return TokenLine(token, text, lp, top)

@@ -217,6 +217,8 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     app.router.add_post("/v1/transfers/{rid}/abort", abort)
     from backends.probe import register_decode
     register_decode(app, svc)  # `disagg status`: KV link test transfers
+    from backends import canary
+    canary.register(app, svc)  # the KV fidelity canary (kv_bridge/fidelity.py)
     # A client that leaves cancels its handler at once, even while it only waits for KV (no write to fail yet):
     # its transfer is forgotten and its job leaves the batch at the next step.
     run_app(app, node, handler_cancellation=True)

@@ -1,5 +1,7 @@
-"""`disagg status`: one table for a whole site (each node's health, fingerprint agreement, load, last error) and
-the KV link bandwidth of every prefill -> decode pair, measured with a test transfer (backends/probe.py)."""
+"""`disagg status`: one table for a whole site (each node's health, fingerprint agreement, load, last error), the KV
+link bandwidth of every prefill -> decode pair, measured with a test transfer (backends/probe.py), and the KV
+fidelity of every (model, prefill, decode) pair: the canary run now (kv_bridge/fidelity.py), through the gateway when
+it answers (so its routing learns the verdicts too), else straight against the nodes."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 
 from kv_bridge.config import NodeConfig, Settings
+from kv_bridge.fidelity import Verdict, run_canary
 
 
 @dataclass
@@ -109,11 +112,44 @@ async def _result(http, d: NodeConfig, tid: str, headers: dict, timeout: float) 
         return await r.json()
 
 
-async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0) -> dict:
-    """Every node's status, fingerprint consensus and (when probe_bytes > 0) every up pair's KV link."""
+def _verdict(row: dict) -> Verdict:
+    """A pair of the gateway's POST /fidelity answer; one it could not check (a node down, the canary off) is an
+    "error" verdict that says why."""
+    if row["state"] in ("verified", "failed", "error"):
+        return Verdict.from_json(row)
+    why = {"pending": "a node is down", "unchecked": "the gateway's canary is off ([fidelity] enabled)"}
+    return Verdict(row["model"], row["prefill"], row["decode"], "error", message=why.get(row["state"], row["state"]))
+
+
+async def _fidelity(http, s: Settings, up: set[str], headers: dict) -> list[Verdict]:
+    """Every pair's canary verdict: from the gateway's POST /fidelity when it answers, else run here, pair by pair."""
+    keys = s.auth.client_keys()
+    gw = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    try:
+        async with http.post(f"http://{s.gateway.host}:{s.gateway.port}/fidelity", headers=gw) as r:
+            if r.status == 200:
+                return [_verdict(row) for row in (await r.json())["pairs"]]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        pass  # no gateway here: ask the nodes themselves
+    out = []
+    for m in s.models:
+        for p in m.prefill:
+            for d in m.decode:
+                if p in up and d in up:
+                    out.append(await run_canary(http, m.id, (p, s.node(p).url), (d, s.node(d).url), headers,
+                                                s.fidelity.timeout_s))
+                else:
+                    out.append(Verdict(m.id, p, d, "error", message="node down"))
+    return out
+
+
+async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0, fidelity: bool = True) -> dict:
+    """Every node's status, fingerprint consensus, (when probe_bytes > 0) every up pair's KV link and (`fidelity`)
+    every pair's KV fidelity."""
     token = s.auth.node_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout + 60, connect=timeout)) as http:
+    total = max(timeout, s.fidelity.timeout_s if fidelity else 0) + 60
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total, connect=timeout)) as http:
         nodes = await asyncio.gather(*(_health(http, s, n, headers) for n in s.nodes))
         consensus = agree(nodes)
         up = {n.name for n in nodes if n.up}
@@ -127,7 +163,8 @@ async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.
                                                       timeout))
                         else:
                             links.append(LinkStatus(m.id, p, d, error="node down"))
-    return {"nodes": nodes, "links": links, "consensus": consensus}
+        verdicts = await _fidelity(http, s, up, headers) if fidelity else []
+    return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts}
 
 
 def _mib(n: int | None) -> str:
@@ -152,6 +189,14 @@ def render(result: dict, color: bool = False) -> str:
                          f"{l.seconds:.3f}" if l.ok else "-", f"{l.gbit_s:.2f}" if l.ok else "FAILED",
                          (l.error or "-")[:100]))
         lines += [""] + _table(rows, flag=lambda r: r[4] == "FAILED", mark=red)
+    if result.get("fidelity"):
+        rows = [("MODEL", "PREFILL -> DECODE", "KV FIDELITY", "WORST", "REL. ERROR", "TOLERANCE", "GREEDY", "NOTE")]
+        for v in result["fidelity"]:
+            figs = v.state != "error"
+            rows.append((v.model, f"{v.prefill} -> {v.decode}", v.state.upper() if v.state == "failed" else v.state,
+                         f"{v.tensor} layer {v.layer}" if figs else "-", f"{v.error:.2g}" if figs else "-",
+                         f"{v.tolerance:g}" if figs else "-", v.greedy or "-", (v.message or "-")[:100]))
+        lines += [""] + _table(rows, flag=lambda r: r[2] != "verified", mark=red)
     return "\n".join(lines)
 
 
@@ -166,12 +211,15 @@ def _table(rows: list[tuple], flag, mark) -> list[str]:
 
 def to_json(result: dict) -> dict:
     return {"nodes": [asdict(n) for n in result["nodes"]], "consensus": result["consensus"],
-            "links": [{**asdict(l), "gbit_s": l.gbit_s} for l in result["links"]]}
+            "links": [{**asdict(l), "gbit_s": l.gbit_s} for l in result["links"]],
+            "fidelity": [v.to_json() for v in result.get("fidelity", [])]}
 
 
-def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0) -> int:
-    """Exit 0 when every node is up, agrees and every link probe passed; 1 otherwise."""
-    result = asyncio.run(collect(settings, probe_bytes, timeout))
+def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0,
+         fidelity: bool = True) -> int:
+    """Exit 0 when every node is up, agrees, every link probe passed and every pair's KV is verified; 1 otherwise."""
+    result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity))
     print(json.dumps(to_json(result), indent=2) if as_json else render(result, color=sys.stdout.isatty()))
-    healthy = all(n.up and n.agreement == "ok" for n in result["nodes"]) and all(l.ok for l in result["links"])
+    healthy = all(n.up and n.agreement == "ok" for n in result["nodes"]) and all(l.ok for l in result["links"]) \
+        and all(v.ok for v in result["fidelity"])
     return 0 if healthy else 1

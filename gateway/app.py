@@ -24,6 +24,7 @@ from gateway.auth import APIKeys
 from gateway.api.openai.chat import STATE, GatewayState, chat_completions
 from gateway.api.openai.completions import completions
 from gateway.metrics import Metrics
+from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
 from gateway.cluster.orchestrator import Orchestrator
 from gateway.text.tokenizer import ChatTokenizer
@@ -57,10 +58,23 @@ async def health(request: web.Request) -> web.Response:
         {"id": m.id, "decode_up": len(st.pool.healthy(m.decode)), "prefill_up": len(st.pool.healthy(m.prefill))}
         for m in st.settings.models
     ]
-    body = {"status": "ok" if serving else "unavailable", "nodes": st.pool.snapshot(), "models": models}
+    body = {"status": "ok" if serving else "unavailable", "nodes": st.pool.snapshot(), "models": models,
+            "fidelity": st.fidelity.snapshot()}
     if st.orchestrator is not None:  # learned rates and prefill admission (docs/routing.md)
         body.update(st.orchestrator.snapshot())
     return web.json_response(body, status=200 if serving else 503)
+
+
+async def fidelity(request: web.Request) -> web.Response:
+    """POST /fidelity[?model=M]: run the KV fidelity canary of every up pair now (of model M) and answer the verdicts
+    (gateway/cluster/fidelity.py); an operator's endpoint, behind the client keys when they are set."""
+    st = request.app[STATE]
+    model = request.query.get("model")
+    if model is not None:
+        model = st.route(model).id
+    if st.orchestrator is None:
+        raise web.HTTPServiceUnavailable()
+    return web.json_response({"pairs": await st.fidelity.check_now(st.orchestrator.client.session, model)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -74,16 +88,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # The node credential rides on every call, health checks included.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=app[auth.NODE_HEADERS])
     st.orchestrator = Orchestrator(st.settings, session, st.pool,
-                                   lambda model_id, ids: st.tokenizers[model_id].decode(ids))
+                                   lambda model_id, ids: st.tokenizers[model_id].decode(ids), st.fidelity.usable)
     # One round before serving, so the first request does not see every node as down.
     await st.pool.poll_once(session)
-    poller = asyncio.create_task(st.pool.run(session), name="gateway-health-poller")
+    tasks = [asyncio.create_task(st.pool.run(session), name="gateway-health-poller"),
+             asyncio.create_task(st.fidelity.run(session, st.pool.interval), name="gateway-fidelity")]
     try:
         yield
     finally:
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         st.orchestrator = None
         await session.close()
 
@@ -115,7 +131,8 @@ def create_app(settings: Settings) -> web.Application:
     unreadable auth file."""
     tokenizers = {m.id: ChatTokenizer.from_folder(resolve_model_path(m)) for m in settings.models}
     m = Metrics()
-    state = GatewayState(settings, tokenizers, m, NodePool(settings.nodes, m, settings.gateway.health_interval_s))
+    pool = NodePool(settings.nodes, m, settings.gateway.health_interval_s)
+    state = GatewayState(settings, tokenizers, m, pool, fidelity=Fidelity(settings, pool, m))
     keys = auth.api_keys(settings.auth)
     auth.warn_exposure(settings, has_keys=keys is not None)
     # The root app's own errors (unknown paths too) answer in OpenAI's shape, as every non-Ollama path always did.
@@ -126,6 +143,7 @@ def create_app(settings: Settings) -> web.Application:
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/fidelity", fidelity)
     app.router.add_get("/", ollama.root)  # Ollama's liveness probe; add_get answers HEAD too
     tokenization.add_routes(app)  # vLLM's /tokenize and /detokenize live at the root, as in vLLM
     # Before /v1: the longer prefix resolves first, so Anthropic's routes answer in Anthropic's shape.

@@ -89,6 +89,12 @@ class Metrics:
             "disagg_admission_tokens", "Prompt tokens per prefill node, in flight in it or queued in the gateway",
             ["node", "state"], registry=r,
         )
+        # The KV fidelity canary per (model, prefill, decode) pair (gateway/cluster/fidelity.py).
+        self.fidelity = Gauge("disagg_kv_fidelity", "KV fidelity of a prefill -> decode pair: 1 verified, 0 failed, "
+                              "-1 not verified yet (or the canary could not run)", ["model", "prefill", "decode"],
+                              registry=r)
+        self.fidelity_error = Gauge("disagg_kv_fidelity_error", "The canary's worst per-layer relative KV error",
+                                    ["model", "prefill", "decode"], registry=r)
         self.refreshers: list[Callable[["Metrics"], None]] = []  # gauges set from live state just before a scrape
 
     def declare(self, model_ids) -> None:

@@ -72,6 +72,7 @@ class ReceivedKV:
     seconds: float  # first byte of the stream until it was complete
     link_s: float = 0.0  # the slowest stream's time mid-frame (bytes on the way); gaps between frames left out
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    wire_dtype: str = "float32"  # how it travelled (the fidelity canary's tolerance depends on it)
 
     def release(self) -> None:
         """The KV has been copied out: its buffers go back to the receiver's pool. keys/values are unusable after."""
@@ -254,7 +255,7 @@ class Transfer:
         bufs, pool = self._bufs, self.pool
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
         kv = ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
-                        self._link_s, release)
+                        self._link_s, release, self._first.dtype)
         self._end(lambda: self.future.done() or self.future.set_result(kv))
 
     def fail(self, reason: str, message: str) -> None:

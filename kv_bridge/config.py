@@ -24,6 +24,7 @@ from pydantic_settings import (
 
 from kv_bridge.config_machines import MachineFields, ModelSizes
 from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
+from kv_bridge.fidelity import FidelityConfig
 from kv_bridge.site_config import SiteConfig
 
 DEFAULT_CONFIG = "config.toml"
@@ -321,6 +322,7 @@ class Settings(BaseSettings):
     decode: DecodeConfig = DecodeConfig()
     kv: KVConfig = KVConfig()
     auth: AuthConfig = AuthConfig()
+    fidelity: FidelityConfig = FidelityConfig()  # the KV canary (kv_bridge/fidelity.py)
     site: SiteConfig = SiteConfig()  # `make site` only (kv_bridge/site_config.py)
     nodes: list[NodeConfig] = Field(default_factory=list)
     models: list[ModelRoute] = Field(default_factory=list)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import socket
+import uuid
 from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,10 +118,38 @@ class FakeDecodeNode(FakeNode):
         self.disconnects: list[str] = []
         self.running = 0
         self._transfers: dict[str, _Transfer] = {}
+        # The KV fidelity canary (backends/canary.py's routes): the worst relative error this node "measures" on the
+        # KV a prefill node delivers; past the float32 tolerance (0.01) the verdict is failed.
+        self.fidelity_error = 1e-5
+        self.canaries = 0
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/generate", self._generate)
         app.router.add_post("/v1/transfers/{rid}/abort", self._abort)
+        app.router.add_post("/v1/fidelity/expect", self._canary_expect)
+        app.router.add_get("/v1/fidelity/{tid}", self._canary_result)
+
+    async def _canary_expect(self, request: web.Request) -> web.Response:
+        if self.down:
+            return _error(503, "loading")
+        tid = f"canary-{uuid.uuid4().hex}"
+        ids = self.tok.encode("The river town of Alder Bend kept its records in a stone hall.").ids
+        self._transfers[tid] = _Transfer(len(ids) - 1)
+        return web.json_response({"transfer_id": tid, "token_ids": ids[:-1],
+                                  "kv_target": {"host": "127.0.0.1", "port": self.kv_port}})
+
+    async def _canary_result(self, request: web.Request) -> web.Response:
+        tid = request.match_info["tid"]
+        kv_tokens, fallback = await self._await_kv(tid)
+        self._transfers.pop(tid, None)
+        self.canaries += 1
+        base = {"model": self.model_id, "prefill": "", "decode": self.name, "tokens": kv_tokens}
+        if fallback is not None:
+            return web.json_response({**base, "state": "error", "message": f"KV did not arrive: {fallback}"})
+        bad = self.fidelity_error > 0.01
+        return web.json_response({**base, "state": "failed" if bad else "verified", "error": self.fidelity_error,
+                                  "layer": 3, "tensor": "K", "tolerance": 0.01, "wire_dtype": "float32",
+                                  "kv_dtype": "float32", "greedy": "0/8" if bad else "8/8", "seconds": 0.01})
 
     def deliver_kv(self, request_id: str, tokens: int) -> bool:
         t = self._transfers.get(request_id)
@@ -292,14 +321,17 @@ class FakePrefillNode(FakeNode):
 
     async def _prefill(self, request: web.Request) -> web.Response:
         body = await request.json()
-        self.requests.append(body)
+        canary = body["request_id"].startswith("canary-")  # the gateway's fidelity check, not a client's request
+        if not canary:
+            self.requests.append(body)
         if self.down:
             return _error(503, "loading")
         if self.fail == "http":
             return _error(500, "fake prefill failure")
         if self.fail == "hang":
             await asyncio.sleep(3600)
-        await self._compute(len(body["token_ids"]) - int(body.get("kv_start", 0)))
+        if not canary:
+            await self._compute(len(body["token_ids"]) - int(body.get("kv_start", 0)))
         target = body["kv_target"]
         for d in self.decoders:
             if (target["host"], target["port"]) == ("127.0.0.1", d.kv_port):
@@ -450,7 +482,23 @@ class Cluster:
         await site.start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         self.http = aiohttp.ClientSession()
+        await self.wait_fidelity()
         return self
+
+    async def wait_fidelity(self, timeout: float = 5.0) -> list[dict]:
+        """Until the gateway's canary has a verdict for every pair whose fake nodes are up (as a real stack waits
+        before it serves disaggregated); the pairs as /health shows them."""
+        fakes = {n.name: n for n in [*self.decoders, *self.prefills]}
+
+        from gateway.api.serving import STATE
+
+        checks = self._runner.app[STATE].fidelity  # in process: /health may need a key
+
+        async def settled() -> bool:
+            return all(row["state"] not in ("pending", "checking") or fakes[row["prefill"]].down
+                       or fakes[row["decode"]].down for row in checks.snapshot())
+        await self.wait_for(settled, timeout)
+        return checks.snapshot()
 
     async def stop(self) -> None:
         if self.http is not None:

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import tiny_models
-from backends import decode_engine
+from backends import decode_batch
 from backends.common import NodeError
 from backends.decode_engine import Job, MLXModel
 from backends.decode_node import DecodeService
@@ -46,7 +46,7 @@ def test_a_dead_mlx_loop_fails_every_request_and_turns_health_to_503(tmp_path, e
     m.load()
     assert svc.health()["batch_size"] == 0
     running, die = threading.Event(), threading.Event()
-    step = decode_engine._Batch.step
+    step = decode_batch.Batch.step
 
     def step_then_die(self):
         step(self)
@@ -54,7 +54,7 @@ def test_a_dead_mlx_loop_fails_every_request_and_turns_health_to_503(tmp_path, e
         if die.is_set():
             raise RuntimeError("simulated loop fault")
 
-    monkeypatch.setattr(decode_engine._Batch, "step", step_then_die)
+    monkeypatch.setattr(decode_batch.Batch, "step", step_then_die)
     m.start()
     try:
         in_batch = queue.Queue()

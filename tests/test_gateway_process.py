@@ -18,8 +18,9 @@ from fakes import MODEL_DIR, MODEL_ID, FakeDecodeNode, FakePrefillNode, chat_bod
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = ("torch", "vllm", "mlx", "mlx_lm", "transformers", "backends")
 # Pure-Python kv_bridge modules the gateway shares with the nodes: the config, the node protocol, and the stop-string
-# matcher it runs after a mid-stream failover (the decode node's own, so both cut a stop string at the same place).
-GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops")
+# matcher it runs after a mid-stream failover (the decode node's own, so both cut a stop string at the same place),
+# and the fidelity canary's contract (its settings, verdict and node calls).
+GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops", "kv_bridge.fidelity")
 
 
 

@@ -18,6 +18,7 @@ from kv_bridge.protocol import Sampling
 from gateway.api import relay
 from gateway.errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
 from gateway.metrics import Metrics, RequestRecord
+from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
 from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
 from gateway.text.reasoning import gate_grammar, parser_name
@@ -39,6 +40,7 @@ class GatewayState:
     metrics: Metrics
     pool: NodePool
     orchestrator: Orchestrator | None = None
+    fidelity: Fidelity | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _pieces: dict[str, TokenPieces] = field(default_factory=dict)
 

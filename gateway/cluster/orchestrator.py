@@ -41,8 +41,11 @@ class Orchestrator:
     (in-flight counts, affinity) that the generation releases when it closes."""
 
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, pool: NodePool,
-                 detokenize: Callable[[str, list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[str, list[int]], str] | None = None,
+                 usable: Callable[[str, str, str], bool] | None = None) -> None:
         check_upstreams(settings.models)
+        # (model, prefill node, decode node) -> may it carry KV now (the fidelity canary, gateway/cluster/fidelity.py)
+        self._usable = usable or (lambda model, prefill, decode: True)
         # (model id, token ids) -> text; a mid-stream failover recomputes the text the broken node held back with it.
         self._detokenize = detokenize
         self.pool = pool
@@ -84,7 +87,7 @@ class Orchestrator:
         priced = [(self.rates.costs(node.name, decode.name, kv_tokens, tokens_ahead=self.admission.node(
             node.name).tokens_ahead, batch_tokens=decode.local_tokens, others=others, arriving=decode.waiting,
             kv_bytes_per_token=int(self.rates.kv_bytes_per_token.get(route.id, 0)), model=route.id), node)
-            for node in self.pool.available(route.prefill, exclude)]
+            for node in self.pool.available(route.prefill, exclude) if self._usable(route.id, node.name, decode.name)]
         if not priced:
             return None, self.rates.local_ttft(decode.name, kv_tokens, decode.local_tokens, route.id)
         costs, node = min(priced, key=lambda cn: cn[0].disaggregated)

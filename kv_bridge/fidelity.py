@@ -1,0 +1,119 @@
+"""The KV fidelity canary's shared contract: its settings, its tolerances, its verdict, and the three node calls
+that run it for one (prefill node, decode node, model) pair (pure Python: the gateway and `disagg status` use it).
+
+Integrity (checksums, tags) proves KV bytes arrived as sent; only values prove they are the right KV. The canary
+has vLLM prefill a fixed, chat-templated prompt through the real connector path (same wire dtype, auth, KV link)
+into the decode node, which compares the bridged cache with its own MLX prefill of the same tokens, layer by layer,
+then decodes a few greedy tokens from each (backends/canary.py, kv_bridge/mlx/fidelity.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import asdict, dataclass, field
+
+from pydantic import BaseModel, Field
+
+# Largest relative error (max |bridged - mlx| / max |mlx|, per layer and tensor) a right KV shows, per dtype: the
+# coarser of the wire dtype and the decode node's KV dtype decides. Measured on the embedded model (docs/kv_bridge.md,
+# "The fidelity canary"): float32 ~1e-5, fp8 wire 0.036; a swapped K/V or a transposed K measures 0.9 and more.
+TOLERANCE = {"float32": 0.01, "float16": 0.02, "bfloat16": 0.06, "float8_e4m3": 0.1}
+
+
+def tolerance(*dtypes: str) -> float:
+    """The tolerance of the coarsest of `dtypes` (wire and KV dtype names); an unknown name is refused."""
+    unknown = [d for d in dtypes if d not in TOLERANCE]
+    if unknown:
+        raise ValueError(f"no fidelity tolerance for dtype {unknown[0]!r}; known: {', '.join(TOLERANCE)}")
+    return max(TOLERANCE[d] for d in dtypes)
+
+
+class FidelityConfig(BaseModel):
+    """`[fidelity]`: the run-time KV check of every (prefill node, decode node, model) pair."""
+
+    enabled: bool = Field(default=True, description="run the canary when a pair becomes usable (both nodes healthy) "
+                          "and on demand (POST /fidelity, `disagg status`)")
+    required: bool = Field(default=True, description="only a verified pair takes a model's disaggregated path; until "
+                           "then (and after a failure) its requests prefill on the decode node")
+    canary_tokens: int = Field(default=256, ge=16, description="the canary prompt's length; at least the model's "
+                               "sliding window + 32 whatever this says")
+    greedy_tokens: int = Field(default=8, ge=1, le=64, description="greedy tokens decoded from the bridged cache and "
+                               "from MLX's own, compared")
+    timeout_s: float = Field(default=120.0, gt=0, description="one canary, prefill to verdict")
+    retry_s: float = Field(default=30.0, gt=0, description="a canary that could not run (not a failed one) runs "
+                           "again after this")
+
+
+@dataclass
+class Verdict:
+    """One canary's outcome. state: verified | failed (the KV or the tokens are wrong) | error (it could not run)."""
+
+    model: str
+    prefill: str
+    decode: str
+    state: str
+    error: float | None = None  # the worst layer's relative error
+    layer: int | None = None
+    tensor: str | None = None  # "K" or "V"
+    tolerance: float | None = None
+    wire_dtype: str | None = None
+    kv_dtype: str | None = None
+    tokens: int = 0  # canary prompt tokens whose KV was compared
+    greedy: str | None = None  # "8/8": greedy tokens from the bridged cache equal to MLX's own, in order
+    seconds: float = 0.0
+    message: str = ""
+    layers: list[dict] = field(default_factory=list)  # per layer: {"layer", "k", "v"} relative errors
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "verified"
+
+    def summary(self) -> str:
+        """One line: what an operator reads in `disagg status`, /health and the WARN log."""
+        if self.state == "error":
+            return f"not checked: {self.message}"
+        fig = f"{self.tensor} layer {self.layer} rel. error {self.error:.2g} (tolerance {self.tolerance:g})"
+        return f"{self.state}: worst {fig}, greedy {self.greedy}" + (f"; {self.message}" if self.message else "")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Verdict":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+async def _call(http, method: str, url: str, headers: dict, **kw) -> dict:
+    async with http.request(method, url, headers=headers, **kw) as r:
+        body = await r.json(content_type=None)
+        if r.status != 200:
+            err = body.get("error") if isinstance(body, dict) else None
+            raise RuntimeError(f"{url.split('/v1/')[0]} answered HTTP {r.status}: "
+                               f"{(err or {}).get('message') if isinstance(err, dict) else err or body}")
+        return body
+
+
+async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[str, str], headers: dict,
+                     timeout_s: float) -> Verdict:
+    """Run the canary of one pair: `prefill`, `decode` are (node name, base URL); `http` an aiohttp session whose
+    calls carry the node credential in `headers`. Never raises for a node's fault: that is an "error" verdict."""
+    pname, purl = prefill
+    dname, durl = decode
+    try:
+        exp = await _call(http, "POST", durl + "/v1/fidelity/expect", headers, json={"model": model})
+        tid = exp["transfer_id"]
+        waiting = asyncio.ensure_future(_call(http, "GET", f"{durl}/v1/fidelity/{tid}", headers,
+                                              params={"timeout": str(timeout_s)}))
+        try:
+            await _call(http, "POST", purl + "/v1/prefill", headers, json={
+                "request_id": tid, "model": model, "token_ids": exp["token_ids"], "kv_target": exp["kv_target"]})
+        except BaseException:
+            waiting.cancel()
+            with contextlib.suppress(Exception):  # the prefill's own failure is what the verdict says
+                await _call(http, "POST", f"{durl}/v1/transfers/{tid}/abort", headers)
+            raise
+        got = await asyncio.wait_for(waiting, timeout_s + 30)
+        return Verdict.from_json({**got, "model": model, "prefill": pname, "decode": dname})
+    except Exception as e:  # an unreachable node, a refused call: the canary did not run
+        return Verdict(model, pname, dname, "error", message=str(e) or type(e).__name__)
