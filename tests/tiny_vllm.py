@@ -126,8 +126,8 @@ def _engine_args(job: dict):
         settings = load_config(Path(job["config"]))
         return engine_args(settings, settings.models[0])
     overrides = vllm_hf_overrides(job["model"])  # EngineArgs takes a dict or nothing, not None
-    return EngineArgs(model=job["model"], dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
-                      **({"hf_overrides": overrides} if overrides else {}), **job["engine"],
+    return EngineArgs(model=job["model"], enforce_eager=True, gpu_memory_utilization=0.3,
+                      **({"hf_overrides": overrides} if overrides else {}), **({"dtype": "float32"} | job["engine"]),
                       kv_transfer_config=KVTransferConfig(kv_connector="DisaggConnector", kv_role="kv_producer",
                                                           kv_connector_module_path="kv_bridge.vllm.connector"))
 

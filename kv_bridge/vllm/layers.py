@@ -18,7 +18,8 @@ log = logging.getLogger("vllm.disagg.connector")
 
 @dataclass(frozen=True)
 class LayerLayout:
-    """A layer's backend, its adapter at the kernel block size, and the kernel blocks per scheduler block."""
+    """A layer's backend (with its kernel ISA on CPU_ATTN), its adapter at the kernel block size, and the kernel
+    blocks per scheduler block."""
 
     backend: str
     layout: PagedLayout
@@ -33,10 +34,20 @@ class LayerLayout:
         return ids.reshape(-1).tolist()
 
 
+def cache_dtype_name(t: torch.Tensor, cache_dtype: str) -> str:
+    """The cache's element type as the layout registry names it: vLLM's fp8 caches are uint8 tensors, named by
+    cache_config.cache_dtype ("fp8" is e4m3); others by the tensor's dtype (float32, bfloat16, float16)."""
+    if cache_dtype.startswith("fp8"):
+        return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
+    return str(t.dtype).removeprefix("torch.")
+
+
 def layer_layouts(kv_caches: dict[str, torch.Tensor], backends: dict[str, str], order: str, block_size: int,
-                  num_kv_heads: int, head_dim: int) -> dict[str, LayerLayout]:
-    """Every layer's LayerLayout; refuses by name a layer whose backend has no adapter or whose kernel blocks do not
-    divide the cache block (`--block-size`).
+                  num_kv_heads: int, head_dim: int, isas: dict[str, str | None] | None = None,
+                  cache_dtype: str = "auto") -> dict[str, LayerLayout]:
+    """Every layer's LayerLayout; refuses by name a layer whose backend (for CPU_ATTN: kernel ISA, as vLLM set it
+    on the layer, and cache dtype) has no verified adapter or whose kernel blocks do not divide the cache block
+    (`--block-size`).
 
     The per-layer views vLLM registers are [kernel blocks, H, kernel block, 2 * D] for every adapter: the kernel
     block size is read from the tensor itself, not assumed to be cache_config.block_size.
@@ -52,11 +63,13 @@ def layer_layouts(kv_caches: dict[str, torch.Tensor], backends: dict[str, str], 
                              f"which do not divide the {block_size}-token cache blocks; start vLLM with "
                              f"--block-size a multiple of {kernel}")
         try:
-            layout = layout_for(backends[name], kernel, num_kv_heads, head_dim, order)
+            layout = layout_for(backends[name], kernel, num_kv_heads, head_dim, order, (isas or {}).get(name),
+                                cache_dtype_name(t, cache_dtype))
         except ValueError as e:
             raise ValueError(f"layer {name}: {e}") from None
         layout.check(tuple(t.shape))
-        out[name] = LayerLayout(backends[name], layout, block_size // kernel)
+        isa = (isas or {}).get(name)  # named in the start-up log: `CPU_ATTN/vec block 128 ...`
+        out[name] = LayerLayout(f"{backends[name]}/{isa}" if isa else backends[name], layout, block_size // kernel)
     return out
 
 

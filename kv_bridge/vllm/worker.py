@@ -59,7 +59,10 @@ class WorkerSide:
         order, block = cfg.cache_config.get_resolved_kv_cache_layout().name, cfg.cache_config.block_size
         heads, head_dim = mc.get_num_kv_heads(cfg.parallel_config), mc.get_head_size()
         backends = {name: ctx[name].attn_backend.get_name() for name in kv_caches}  # each layer its own
-        layouts = layer_layouts(kv_caches, backends, order, block, heads, head_dim)
+        # CPU_ATTN's block interior follows the kernel ISA vLLM picked (cpu_attn.py sets layer.isa before this call)
+        isas = {name: getattr(ctx[name], "isa", None) for name in kv_caches}
+        layouts = layer_layouts(kv_caches, backends, order, block, heads, head_dim, isas,
+                                str(cfg.cache_config.cache_dtype))
         windows, found = {}, {}
         for name in kv_caches:
             m = _LAYER_RE.search(name)

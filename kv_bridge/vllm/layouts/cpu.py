@@ -1,8 +1,9 @@
-"""vLLM CPU attention backend (CPU_ATTN, layout LBHNC) paged layout.
+"""vLLM CPU attention backend (CPU_ATTN, layout LBHNC), kernel ISA "vec", paged layout: the same for every dtype.
 
 vLLM [num_blocks, H, block, 2 * D] per layer; inside each (block, head) row of 2 * block * D values:
-K stored transposed as [D, block], then V as [block, D]. (Verified against MLX-computed KV in tests.)
--> wire/mlx (H, T, D) for K and V.
+K stored transposed as [D, block], then V as [block, D] (csrc/cpu/cpu_attn_vec.hpp reshape_and_cache, one element
+at a time whatever the dtype). Verified against MLX-computed KV for float32, bfloat16 and fp8 caches in tests.
+-> wire/mlx (H, T, D) for K and V. The AMX ISA packs blocks differently and is refused (layouts/__init__.py).
 """
 
 from __future__ import annotations
