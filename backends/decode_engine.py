@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from backends.sampling import make_sampling, token_logprobs
-from kv_bridge.fingerprint import kv_spec
+from kv_bridge.fingerprint import config_kv_dtype, kv_spec
 from kv_bridge.protocol import Sampling, TokenLine
 
 log = logging.getLogger("backends.decode_node")
@@ -56,18 +56,23 @@ class MLXModel:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
         self.model = self.tokenizer = self.grammars = None
         self.spec = kv_spec(path)
+        self.dtype = self.kv_dtype = None  # after load: the KV dtype (mx.Dtype) and its name (kv_bridge.dtypes)
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.failure: str | None = None  # set when the MLX loop itself died: the node can serve nothing more
         self.batch_size = self.cache_bytes = 0  # published by the MLX thread after every step, read by /health
 
     def load(self) -> None:
         import mlx.core as mx
-        from mlx.utils import tree_flatten
         from mlx_lm import load
 
         self.model, self.tokenizer = load(self.path)
         _harmony_stops(self.tokenizer)
-        self.dtype = tree_flatten(self.model.parameters())[0][1].dtype
+        self.dtype = _kv_dtype(self.model)
+        self.kv_dtype = str(self.dtype).removeprefix("mlx.core.")  # received KV is reserved and held in it
+        predicted = config_kv_dtype(self.path)
+        if predicted != self.kv_dtype:  # `disagg config check` budgets from config.json's dtype
+            log.warning("%s: MLX computes KV in %s but config.json says %s: `disagg config check` counts its KV at "
+                        "the wrong size", self.model_id, self.kv_dtype, predicted)
         # The logits width: what logit_bias ids and top_k are checked against.
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
@@ -325,6 +330,17 @@ def _finish(job: Job, tokens: list[int] | None, cache: list | None) -> None:
         log.exception("on_finished failed")
     finally:
         job.emit(None)
+
+
+def _kv_dtype(model):
+    """The dtype mlx-lm's own prefill stores this model's KV in: one token through a fresh cache. Authoritative
+    where the weights are not: a 4-bit model's first parameter is uint32 (its scales set the activations' dtype)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    return cache[0].state[0].dtype
 
 
 def _harmony_stops(tokenizer) -> None:
