@@ -156,11 +156,13 @@ def test_config_check_shows_each_models_kv_in_flight_in_its_dtype(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     cap = {c["model"]: c for c in json.loads(r.stdout)["kv_capacity"]}
     assert cap["qwen3-coder:30b"]["dtype"] == cap["gpt-oss:120b"]["dtype"] == "bfloat16"
-    assert cap["qwen3-coder:30b"]["bytes_per_token"] == 96 * 1024 and cap["gpt-oss:120b"]["bytes_per_token"] == 72 * 1024
-    assert cap["qwen3-coder:30b"]["full_context_in_flight"] == 2 and cap["gpt-oss:120b"]["full_context_in_flight"] == 2
+    qwen, oss = cap["qwen3-coder:30b"], cap["gpt-oss:120b"]
+    assert qwen["bytes_per_token"] == 96 * 1024 and oss["bytes_per_token"] == 72 * 1024
+    assert qwen["full_context_in_flight"] == oss["full_context_in_flight"] == 2
     text = check(tmp_path, edit).stdout
     assert "qwen3-coder:30b: 96 KiB/token (bfloat16); a full context (32768 tokens) is 3.00 GiB: 2 at once" in text
     folders = site_geometry(tmp_path / "f32", "float32")  # a float32 checkpoint is held as float32: twice the bytes
     r = check(tmp_path, edit, "--json")
     cap = {c["model"]: c for c in json.loads(r.stdout)["kv_capacity"]}
-    assert cap["qwen3-coder:30b"]["bytes_per_token"] == 192 * 1024 and cap["qwen3-coder:30b"]["full_context_in_flight"] == 1
+    assert cap["qwen3-coder:30b"]["bytes_per_token"] == 192 * 1024
+    assert cap["qwen3-coder:30b"]["full_context_in_flight"] == 1
