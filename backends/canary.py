@@ -121,7 +121,7 @@ def register(app: web.Application, svc) -> None:
         ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, want)
         tid = CANARY_PREFIX + uuid.uuid4().hex
         try:
-            svc.receiver.expect(tid, len(ids) - 1, m.spec)
+            svc.receiver.expect(tid, len(ids) - 1, m.spec, 0, m.kv_dtype)  # held as a request's is
         except KVCapacityError as e:
             raise NodeError(429, str(e), "kv_capacity", {"Retry-After": "1"}) from None
         pending[tid] = (m, ids)

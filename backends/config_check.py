@@ -24,13 +24,15 @@ GATEWAY_RUN = "docker-compose -f docker/compose.yaml -p disagg up -d --build"
 class Report:
     machines: list[dict] = field(default_factory=list)  # one per gateway / node: what runs there
     budgets: list = field(default_factory=list)  # a Budget per node that states memory_gib
+    kv_capacity: list[dict] = field(default_factory=list)  # per model whose folder is here: KV a decode node holds
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings,
                 "budgets": [{"node": b.node, "memory_gib": dict(b.memory), "available_gib": b.available_gib,
-                             "disk_gib": dict(b.disk), "disk_available_gib": b.disk_gib} for b in self.budgets]}
+                             "disk_gib": dict(b.disk), "disk_available_gib": b.disk_gib} for b in self.budgets],
+                "kv_capacity": self.kv_capacity}
 
 
 def check(settings: Settings, config: Path) -> Report:
@@ -112,7 +114,8 @@ def _check_addresses(s: Settings, rep: Report) -> None:
 
 
 def _check_models(s: Settings, config: Path, rep: Report) -> None:
-    from kv_bridge.fingerprint import kv_bytes_per_token, model_fingerprint, model_quantization
+    from kv_bridge.dtypes import target_itemsize
+    from kv_bridge.fingerprint import config_kv_dtype, kv_bytes_per_token, model_fingerprint, model_quantization
 
     for m in s.models:
         if m.max_model_len > s.kv.max_tokens:
@@ -125,14 +128,19 @@ def _check_models(s: Settings, config: Path, rep: Report) -> None:
             rep.warnings.append(f"model {m.id!r}: no config.json at {folder} here (fine where this machine runs no "
                                 f"node of it; `disagg models prepare` builds it on the machines that do)")
             continue
-        per_token = kv_bytes_per_token(folder)
-        need = per_token * m.max_model_len
+        # A decode node reserves and holds KV in the model's dtype (config.json's; the node measures it at load)
+        dtype = config_kv_dtype(folder)
+        held = kv_bytes_per_token(folder, target_itemsize(dtype))
+        need = held * m.max_model_len
         if need > s.kv.max_transfer_bytes:
             rep.errors.append(f"model {m.id!r}: a full context's KV is {need / 2**30:.1f} GiB > kv.max_transfer_bytes "
                               f"{s.kv.max_transfer_bytes / 2**30:.1f} GiB; raise it or lower max_model_len")
-        f32 = kv_bytes_per_token(folder, 4) * (m.max_model_len - 1)  # what a decode node reserves per transfer
-        if m.decode and f32 > s.kv.max_inflight_bytes:
-            rep.errors.append(f"model {m.id!r}: a full-context prompt's KV is {f32 / GIB:.2f} GiB as float32 > "
+        full = held * (m.max_model_len - 1)  # what a decode node reserves for a full-context transfer
+        rep.kv_capacity.append({"model": m.id, "dtype": dtype, "bytes_per_token": held, "max_model_len":
+                                m.max_model_len, "full_context_gib": round(full / GIB, 3),
+                                "full_context_in_flight": s.kv.max_inflight_bytes // full})
+        if m.decode and full > s.kv.max_inflight_bytes:
+            rep.errors.append(f"model {m.id!r}: a full-context prompt's KV is {full / GIB:.2f} GiB as {dtype} > "
                               f"kv.max_inflight_bytes {s.kv.max_inflight_bytes / GIB:.2f} GiB: every decode node "
                               f"would refuse it (429); raise kv.max_inflight_bytes or lower max_model_len")
         for mach in rep.machines:
@@ -268,6 +276,12 @@ def render(rep: Report, settings: Settings) -> str:
                      f"{', '.join(r.prefill) or '(none)'} -> {', '.join(r.decode)}{extra}")
     if rep.budgets:
         lines += ["", "MEMORY (GiB)"] + [b.line() for b in rep.budgets]
+    if rep.kv_capacity:
+        lines += ["", f"KV IN FLIGHT PER DECODE NODE (kv.max_inflight_bytes {settings.kv.max_inflight_bytes / GIB:.2f} "
+                  f"GiB, held in the model's dtype)"]
+        lines += [f"  {c['model']}: {c['bytes_per_token'] / 1024:g} KiB/token ({c['dtype']}); a full context "
+                  f"({c['max_model_len']} tokens) is {c['full_context_gib']:.2f} GiB: {c['full_context_in_flight']} "
+                  f"at once" for c in rep.kv_capacity]
     lines += ["", "START"] + [f"  {m['name']}: {m['run']}" for m in rep.machines]
     lines += [f"ERROR: {e}" for e in rep.errors] + [f"warning: {w}" for w in rep.warnings]
     lines.append("config OK" if not rep.errors else f"{len(rep.errors)} error(s)")

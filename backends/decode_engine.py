@@ -14,7 +14,7 @@ from typing import Callable
 
 from backends.decode_batch import Batch, LeadingSpace, token_line
 from backends.sampling import make_sampling
-from kv_bridge.fingerprint import kv_spec
+from kv_bridge.fingerprint import config_kv_dtype, kv_spec
 from kv_bridge.protocol import Sampling
 
 log = logging.getLogger("backends.decode_node")
@@ -67,6 +67,7 @@ class MLXModel:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
         self.model = self.tokenizer = self.grammars = None
         self.spec = kv_spec(path)
+        self.dtype = self.kv_dtype = None  # after load: the KV dtype (mx.Dtype) and its name (kv_bridge.dtypes)
         self._inbox: queue.SimpleQueue[Job | Task | None] = queue.SimpleQueue()
         self._tasks: list[Task] = []  # MLX thread only
         self.failure: str | None = None  # set when the MLX loop itself died: the node can serve nothing more
@@ -74,12 +75,16 @@ class MLXModel:
 
     def load(self) -> None:
         import mlx.core as mx
-        from mlx.utils import tree_flatten
         from mlx_lm import load
 
         self.model, self.tokenizer = load(self.path)
         _harmony_stops(self.tokenizer)
-        self.dtype = tree_flatten(self.model.parameters())[0][1].dtype
+        self.dtype = _kv_dtype(self.model)
+        self.kv_dtype = str(self.dtype).removeprefix("mlx.core.")  # received KV is reserved and held in it
+        predicted = config_kv_dtype(self.path)
+        if predicted != self.kv_dtype:  # `disagg config check` budgets from config.json's dtype
+            log.warning("%s: MLX computes KV in %s but config.json says %s: `disagg config check` counts its KV at "
+                        "the wrong size", self.model_id, self.kv_dtype, predicted)
         # The logits width: what logit_bias ids and top_k are checked against.
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
@@ -252,6 +257,17 @@ class MLXModel:
         finally:
             self.batch_size = self.cache_bytes = 0
             job.emit(None)
+
+
+def _kv_dtype(model):
+    """The dtype mlx-lm's own prefill stores this model's KV in: one token through a fresh cache. Authoritative
+    where the weights are not: a 4-bit model's first parameter is uint32 (its scales set the activations' dtype)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    return cache[0].state[0].dtype
 
 
 def _harmony_stops(tokenizer) -> None:

@@ -101,7 +101,7 @@ class DecodeService:
         prefix = m.prefixes.match(m.model_id, ids, kv_tokens or len(ids) - 1)
         p = prefix.tokens if prefix is not None else 0
         try:
-            transfer = self.receiver.expect(rid, kv_tokens, m.spec, start=p) if kv_tokens > p else None
+            transfer = self.receiver.expect(rid, kv_tokens, m.spec, p, m.kv_dtype) if kv_tokens > p else None
         except KVCapacityError as e:  # backpressure: the gateway tries another node, then answers 429
             raise NodeError(429, str(e), "kv_capacity", {"Retry-After": "1"}) from None
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

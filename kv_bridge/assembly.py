@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from kv_bridge import wire
+from kv_bridge import dtypes, wire
 from kv_bridge.config import KVConfig
 
 
@@ -25,7 +25,8 @@ class TransferError(RuntimeError):
 
 
 class BufferPool:
-    """float32 receive buffers reused across transfers, up to `max_bytes` of idle ones.
+    """Receive buffers (raw bytes, viewed as each transfer's KV dtype) reused across transfers, up to `max_bytes`
+    of idle ones.
 
     A fresh buffer costs a page fault per page as the KV lands in it, and on Linux with transparent huge pages
     sometimes a compaction stall: `bench/bench_transfer.py` saw 0.1-0.9 s for 377 MB. A buffer comes back only
@@ -35,7 +36,7 @@ class BufferPool:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._free: list[np.ndarray] = []  # 1-D float32, smallest first
+        self._free: list[np.ndarray] = []  # 1-D uint8, smallest first
         self._lock = threading.Lock()
 
     @property
@@ -43,13 +44,13 @@ class BufferPool:
         with self._lock:
             return sum(b.nbytes for b in self._free)
 
-    def take(self, n: int) -> np.ndarray:
-        """A 1-D float32 buffer of at least n elements (at most twice that, so small transfers do not pin big ones)."""
+    def take(self, nbytes: int) -> np.ndarray:
+        """A 1-D uint8 buffer of at least nbytes (at most twice that, so small transfers do not pin big ones)."""
         with self._lock:
             for i, b in enumerate(self._free):
-                if n <= b.size <= 2 * n:
+                if nbytes <= b.size <= 2 * nbytes:
                     return self._free.pop(i)
-        return np.empty(n, np.float32)
+        return np.empty(nbytes, np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
@@ -63,14 +64,16 @@ class BufferPool:
 
 @dataclass
 class ReceivedKV:
-    """Complete KV for prompt tokens [start, start + T): float32 keys/values shaped (L, H, T, D)."""
+    """Complete KV for prompt tokens [start, start + T): keys/values shaped (L, H, T, D) in the decode KV dtype
+    `dtype` (dtypes.TARGETS: float32, float16, or bfloat16 held as uint16 bits)."""
 
     start: int
     keys: np.ndarray
     values: np.ndarray
-    nbytes: int
+    nbytes: int  # as they crossed the network (wire dtype)
     seconds: float  # first byte of the stream until it was complete
     link_s: float = 0.0  # the slowest stream's time mid-frame (bytes on the way); gaps between frames left out
+    dtype: str = "float32"
     _release: Callable[[], None] | None = field(default=None, repr=False)
     wire_dtype: str = "float32"  # how it travelled (the fidelity canary's tolerance depends on it)
 
@@ -91,10 +94,12 @@ class Transfer:
     (a sliding layer needs only its window), never on one stream's DONE while another stream still owes KV.
     Thread-safe: each stream's connection thread (kv_bridge/receiver.py) claims, fills and finishes under `_lock`;
     the future is settled on the event loop that registered the transfer (one call_soon_threadsafe per transfer).
+    `dtype`: the decode node's KV dtype (its model's compute dtype): buffers are allocated in it and every wire
+    dtype is rounded into it on arrival (dtypes.convert); a frame already in it lands in place.
     """
 
     def __init__(self, transfer_id: str, num_tokens: int, spec: dict, cfg: KVConfig, start: int = 0,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool | None = None, dtype: str = "float32"):
         if not 0 <= start < num_tokens:
             raise ValueError(f"a transfer covers tokens [start, num_tokens) with 0 <= start < num_tokens, "
                              f"got [{start}, {num_tokens})")
@@ -102,6 +107,7 @@ class Transfer:
         self.num_tokens = num_tokens
         self.start = start
         self.spec = spec  # fingerprint, num_layers, num_kv_heads, head_dim this node decodes with
+        self.dtype, self.itemsize = dtype, dtypes.target_itemsize(dtype)
         self.cfg = cfg
         self.pool = pool
         self._bufs: tuple[np.ndarray, np.ndarray] | None = None  # pooled 1-D buffers behind _keys, _values
@@ -129,7 +135,7 @@ class Transfer:
         if hdr.start != self.start or hdr.start + hdr.num_tokens != self.num_tokens:
             raise TransferError("kv_error", f"transfer declares tokens [{hdr.start}, {hdr.start + hdr.num_tokens}), "
                                 f"decode expects [{self.start}, {self.num_tokens})")
-        total = 2 * hdr.num_kv_heads * hdr.head_dim * 4 * hdr.num_tokens * hdr.num_layers  # arrives widened to float32
+        total = 2 * hdr.num_kv_heads * hdr.head_dim * self.itemsize * hdr.num_tokens * hdr.num_layers  # as held
         if hdr.num_tokens > self.cfg.max_tokens or total > self.cfg.max_transfer_bytes:
             raise TransferError("kv_error", f"transfer of {hdr.num_tokens} tokens / {total} bytes is over the "
                                 f"configured bound ({self.cfg.max_tokens} tokens, {self.cfg.max_transfer_bytes} bytes)")
@@ -161,12 +167,13 @@ class Transfer:
 
     def _allocate(self, hdr: wire.StreamHeader) -> None:
         shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
+        storage = dtypes.TARGETS[self.dtype]
         if self.pool is None:
-            self._keys, self._values = np.empty(shape, np.float32), np.empty(shape, np.float32)
+            self._keys, self._values = np.empty(shape, storage), np.empty(shape, storage)
         else:
-            n = int(np.prod(shape))
+            n = int(np.prod(shape)) * self.itemsize
             self._bufs = (self.pool.take(n), self.pool.take(n))
-            self._keys, self._values = (b[:n].reshape(shape) for b in self._bufs)
+            self._keys, self._values = (b[:n].view(storage).reshape(shape) for b in self._bufs)
         self._filled = np.zeros(shape[:3], dtype=bool)
         self._claimed = np.zeros(shape[:2], dtype=bool)
         self._layer_first = np.full(shape[0], hdr.start)  # first token each layer needs (sliding: its window)
@@ -195,8 +202,8 @@ class Transfer:
         return heads, a
 
     def add(self, hdr: wire.StreamHeader, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        """One frame of the stream `hdr`; `start` is the absolute token position (wire.parse_kv checked it lies in
-        the stream's range)."""
+        """One frame of the stream `hdr`, already in this transfer's dtype (wire.parse_kv(..., self.dtype));
+        `start` is the absolute token position (wire.parse_kv checked it lies in the stream's range)."""
         n = k.shape[1]
         with self._lock:
             heads, i = self._claim(hdr, layer, start, n)
@@ -206,8 +213,9 @@ class Transfer:
         self.progress_at = time.monotonic()
 
     def views(self, hdr: wire.StreamHeader, layer: int, start: int, count: int) -> list[memoryview]:
-        """Where a float32 frame's payload goes, in wire order: K (count, D) for each of the stream's heads, then V
-        likewise, each a contiguous slice of this transfer's arrays, so the frame is received in place (no copy).
+        """Where a frame's payload goes when its wire dtype is this transfer's dtype, in wire order: K (count, D) for
+        each of the stream's heads, then V likewise, each a contiguous slice of this transfer's arrays, so the frame
+        is received in place (no copy).
         A frame of all the transfer's tokens is one slice for K and one for V: fewer, larger reads (a read per piece
         was most of a 1k-token transfer's event-loop time).
         The tokens are claimed now but count as arrived only at received(): another stream's DONE must not complete
@@ -255,7 +263,7 @@ class Transfer:
         bufs, pool = self._bufs, self.pool
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
         kv = ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
-                        self._link_s, release, self._first.dtype)
+                        self._link_s, self.dtype, release, self._first.dtype)
         self._end(lambda: self.future.done() or self.future.set_result(kv))
 
     def fail(self, reason: str, message: str) -> None:

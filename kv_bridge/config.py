@@ -204,7 +204,7 @@ class KVConfig(BaseModel):
     max_frame_bytes: int = Field(default=256 << 20, ge=1024, description="largest KV frame payload accepted")
     max_transfer_bytes: int = Field(default=8 << 30, ge=1024, description="largest total KV one transfer may declare")
     max_inflight_bytes: int = Field(
-        default=8 << 30, ge=1024, description="decode node: most KV (as float32) its open transfers and the requests "
+        default=8 << 30, ge=1024, description="decode node: most KV (in each model's dtype) its open transfers and the requests "
         "they feed may hold at once; a request over it gets 429 and the gateway tries another node")
     pool_bytes: int = Field(
         default=2 << 30, ge=0, description="decode node: idle receive buffers kept for the next transfers (a fresh "

@@ -1,6 +1,8 @@
-"""Wire dtypes and their numpy decoding: float32, float16, bfloat16 (raw bits) and fp8 e4m3 (bytes + a scale).
+"""Wire dtypes and their numpy decoding: float32, float16, bfloat16 (raw bits) and fp8 e4m3 (bytes + a scale),
+into the decode node's KV dtype (the model's compute dtype: float32, float16 or bfloat16).
 
-numpy has no bfloat16 or fp8, so those travel as uint16 / uint8 codes and widen to float32 on arrival.
+numpy has no bfloat16 or fp8: those travel as uint16 / uint8 codes, and a bfloat16 KV is held as its uint16 bits
+(kv_bridge/mlx/cache.py views them as mx.bfloat16, no float32 detour).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import numpy as np
 # wire name -> numpy storage dtype of the payload
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float8_e4m3": np.uint8}
 E4M3_MAX = 448.0
+# decode-side KV dtypes (what the receiver allocates and MLX holds) -> numpy storage
+TARGETS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 def itemsize(name: str) -> int:
@@ -32,6 +36,30 @@ def _e4m3_table() -> np.ndarray:
 E4M3_TABLE = _e4m3_table()
 
 
+def target_itemsize(name: str) -> int:
+    """Bytes per element of a decode-side KV dtype; ValueError names the ones there are."""
+    if name not in TARGETS:
+        raise ValueError(f"KV dtype {name!r} not supported on a decode node; expected one of {sorted(TARGETS)}")
+    return np.dtype(TARGETS[name]).itemsize
+
+
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest, ties to even, as MLX casts (NaN: its 0x7fc0)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    r = (bits >> 16) & 1
+    r += 0x7FFF
+    r += bits  # wraps only for a negative NaN's bits, fixed below
+    r >>= 16
+    out = r.astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+E4M3_BF16 = to_bfloat16(E4M3_TABLE)  # every e4m3 value is exact in bfloat16 (3-bit mantissa, exponents -9..8)
+
+
 def to_float32(raw: np.ndarray, name: str, scale: float = 1.0) -> np.ndarray:
     """Widen a payload of wire dtype `name` to float32 (fp8 multiplied by its scale)."""
     if name == "float32":
@@ -44,6 +72,22 @@ def to_float32(raw: np.ndarray, name: str, scale: float = 1.0) -> np.ndarray:
         out = E4M3_TABLE[raw]
         return out if scale == 1.0 else out * np.float32(scale)
     raise ValueError(f"unknown wire dtype {name!r}")
+
+
+def convert(raw: np.ndarray, name: str, target: str, scale: float = 1.0) -> np.ndarray:
+    """A payload of wire dtype `name` in the storage of decode KV dtype `target`: the float32 value (to_float32)
+    rounded once to `target` (nearest even), so a bf16 target holds exactly what float32 cast to bf16 would."""
+    if name == target:
+        return raw
+    if target == "float32":
+        return to_float32(raw, name, scale)
+    if target == "bfloat16":
+        if name == "float8_e4m3" and scale == 1.0:
+            return E4M3_BF16[raw]
+        return to_bfloat16(to_float32(raw, name, scale))
+    if target == "float16":
+        return to_float32(raw, name, scale).astype(np.float16)  # numpy rounds to nearest even
+    raise ValueError(f"unknown KV dtype {target!r}")
 
 
 def e4m3_encode(x: np.ndarray, scale: float) -> np.ndarray:

@@ -17,8 +17,9 @@ from pydantic import BaseModel, Field
 
 # Largest relative error (max |bridged - mlx| / max |mlx|, per layer and tensor) a right KV shows, per dtype: the
 # coarser of the wire dtype and the decode node's KV dtype decides. Measured on the embedded model (docs/kv_bridge.md,
-# "The fidelity canary"): float32 ~1e-5, fp8 wire 0.036; a swapped K/V or a transposed K measures 0.9 and more.
-TOLERANCE = {"float32": 0.01, "float16": 0.02, "bfloat16": 0.06, "float8_e4m3": 0.1}
+# "The fidelity canary"): float32 1.1e-5, bf16 0.043, fp8 wire 0.036; a swapped K/V or a transposed K measures about
+# 1 and more, so the margins on both sides are wide.
+TOLERANCE = {"float32": 0.01, "float16": 0.05, "bfloat16": 0.1, "float8_e4m3": 0.15}
 
 
 def tolerance(*dtypes: str) -> float:

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 
-from kv_bridge import wire
+from kv_bridge import dtypes, wire
 from kv_bridge.assembly import BufferPool, ReceivedKV, Transfer, TransferError
 from kv_bridge.config import KVConfig
 
@@ -48,7 +48,7 @@ class KVReceiver:
         self.key = key  # None: streams are open (loopback-only deployments)
         self.require_frame_mac = frame_mac
         self.transfers: dict[str, Transfer] = {}
-        self._reserved: dict[str, int] = {}  # transfer id -> float32 KV bytes it may hold
+        self._reserved: dict[str, int] = {}  # transfer id -> KV bytes it may hold (in its decode KV dtype)
         self.pool = BufferPool(cfg.pool_bytes) if cfg.pool_bytes else None
         self._listeners: list[socket.socket] = []
         self._accepting: list[asyncio.Task] = []
@@ -111,17 +111,20 @@ class KVReceiver:
             c.shutdown()
         await asyncio.to_thread(lambda: [c.thread.join(10) for c in conns])
 
-    def expect(self, transfer_id: str, num_tokens: int, spec: dict, start: int = 0) -> Transfer:
-        """Register the transfer of prompt tokens [start, num_tokens) before the prefill side connects;
-        KVCapacityError when its KV would put the node over `kv.max_inflight_bytes`."""
+    def expect(self, transfer_id: str, num_tokens: int, spec: dict, start: int = 0,
+               dtype: str = "float32") -> Transfer:
+        """Register the transfer of prompt tokens [start, num_tokens) before the prefill side connects, to be held
+        in `dtype` (the model's compute dtype: dtypes.TARGETS); KVCapacityError when its KV would put the node over
+        `kv.max_inflight_bytes`."""
         if transfer_id in self.transfers:
             raise ValueError(f"transfer {transfer_id!r} is already registered")
-        need = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * (num_tokens - start) * 4  # f32 K, V
+        per_token = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * dtypes.target_itemsize(dtype)
+        need = per_token * (num_tokens - start)  # K and V as held, every layer at full length
         held = self.inflight_bytes
         if held + need > self.cfg.max_inflight_bytes:
             raise KVCapacityError(f"this decode node holds {held} bytes of in-flight KV; {need} more would pass its "
                                   f"kv.max_inflight_bytes of {self.cfg.max_inflight_bytes}")
-        t = Transfer(transfer_id, num_tokens, spec, self.cfg, start, self.pool)
+        t = Transfer(transfer_id, num_tokens, spec, self.cfg, start, self.pool, dtype)
         self.transfers[transfer_id] = t
         self._reserved[transfer_id] = need
         return t
@@ -160,8 +163,8 @@ class _Connection:
     """One KV connection on its own thread: HEADER (answered ACK or ERROR), then KV* and DONE.
 
     The thread reads each piece of a frame where it belongs: the 5-byte prefix, then either the whole body into
-    `_buf` (reused, grown to the largest frame after the prefix's length passed its bound), or, for a float32 KV
-    frame, its 20-byte KV prefix and then the payload straight into the transfer's arrays, in contiguous pieces
+    `_buf` (reused, grown to the largest frame after the prefix's length passed its bound), or, for a KV frame in
+    the transfer's own dtype, its 20-byte KV prefix and then the payload straight into its arrays, in contiguous pieces
     (`Transfer.views`), each read checksummed (and MACed) as it lands, while its bytes are still in cache. A piece
     with less than STAGE_BYTES left is read through a staging buffer, together with what follows it, and copied on.
     One frame at a time, so nothing queues up here: a fast sender waits in TCP. The thread ends with its stream
@@ -262,13 +265,13 @@ class _Connection:
             t = self._live_transfer()
             if t is None:
                 return
-            if ftype == wire.KV and self.hdr.dtype == "float32":
+            if ftype == wire.KV and self.hdr.dtype == t.dtype:  # e.g. bf16 into a bf16 model: no conversion
                 self._kv_in_place(t, length)
                 continue
             body, trailer = self._body(ftype, length)
             self._check(ftype, length, [body], trailer)
             if ftype == wire.KV:
-                t.add(self.hdr, *wire.parse_kv(body, self.hdr))
+                t.add(self.hdr, *wire.parse_kv(body, self.hdr, t.dtype))  # rounded into the model's dtype
             elif ftype == wire.DONE:
                 t.stream_done(self.hdr, self.link_s)
                 self.transfer = None  # this stream is complete; the transfer may still wait on other ranks' streams

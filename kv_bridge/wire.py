@@ -366,12 +366,13 @@ def parse_kv_prefix(prefix: bytes | memoryview, body_len: int, hdr: StreamHeader
     return layer, start, count, k_scale, v_scale
 
 
-def parse_kv(body: memoryview, hdr: StreamHeader) -> tuple[int, int, np.ndarray, np.ndarray]:
-    """Decode a KV frame body into (layer, token_start, K, V) as float32 (H, count, D) arrays."""
+def parse_kv(body: memoryview, hdr: StreamHeader, target: str = "float32") -> tuple[int, int, np.ndarray, np.ndarray]:
+    """Decode a KV frame body into (layer, token_start, K, V): (H, count, D) arrays in the storage of decode KV
+    dtype `target` (dtypes.TARGETS; bfloat16 as uint16 bits)."""
     layer, start, count, k_scale, v_scale = parse_kv_prefix(body, len(body), hdr)
     shape = (hdr.heads, count, hdr.head_dim)
     half = hdr.kv_bytes(count) // 2
     dt = np.dtype(dtypes.STORAGE[hdr.dtype]).newbyteorder("<")
     k = np.frombuffer(body, dtype=dt, count=half // dt.itemsize, offset=KV_PREFIX.size).reshape(shape)
     v = np.frombuffer(body, dtype=dt, count=half // dt.itemsize, offset=KV_PREFIX.size + half).reshape(shape)
-    return layer, start, dtypes.to_float32(k, hdr.dtype, k_scale), dtypes.to_float32(v, hdr.dtype, v_scale)
+    return layer, start, dtypes.convert(k, hdr.dtype, target, k_scale), dtypes.convert(v, hdr.dtype, target, v_scale)

@@ -125,3 +125,44 @@ def test_inflight_bound_must_hold_one_full_context(tmp_path):
     assert "model 'gpt-oss:120b': a full-context prompt's KV is 1.41 GiB as float32 > kv.max_inflight_bytes 1.00" \
         in r.stdout, r.stdout
     assert check(tmp_path, lambda t: edit(t, 6710886400)).returncode == 0
+
+
+def site_geometry(tmp_path, dtype: str = "bfloat16") -> dict:
+    """The site's two models as their config.json says (geometry only): Qwen3-Coder-30B-A3B and gpt-oss-120b."""
+    out = {}
+    for name, cfg in (("qwen3-coder-30b-a3b", {"model_type": "qwen3_moe", "num_hidden_layers": 48,
+                                               "num_key_value_heads": 4, "num_attention_heads": 32, "head_dim": 128,
+                                               "hidden_size": 2048}),
+                      ("gpt-oss-120b", {"model_type": "gpt_oss", "num_hidden_layers": 36, "num_key_value_heads": 8,
+                                        "num_attention_heads": 64, "head_dim": 64, "hidden_size": 2880,
+                                        "sliding_window": 128})):
+        folder = tmp_path / "models" / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({**cfg, "torch_dtype": dtype}))
+        out[name] = folder
+    return out
+
+
+def test_config_check_shows_each_models_kv_in_flight_in_its_dtype(tmp_path):
+    """A Mac holds bridged KV in the model's dtype (bf16 here): 96 KiB/token for Qwen3-Coder, 72 for gpt-oss; the
+    site's 6.25 GiB in flight holds two full 32k contexts of either (3.0 / 2.25 GiB each), where float32 held one."""
+    folders = site_geometry(tmp_path)
+
+    def edit(t):
+        for name, folder in folders.items():
+            t = t.replace(f'path = "/opt/disagg/models/{name}"', f'path = "{folder}"')
+        return t
+    r = check(tmp_path, edit, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    cap = {c["model"]: c for c in json.loads(r.stdout)["kv_capacity"]}
+    assert cap["qwen3-coder:30b"]["dtype"] == cap["gpt-oss:120b"]["dtype"] == "bfloat16"
+    qwen, oss = cap["qwen3-coder:30b"], cap["gpt-oss:120b"]
+    assert qwen["bytes_per_token"] == 96 * 1024 and oss["bytes_per_token"] == 72 * 1024
+    assert qwen["full_context_in_flight"] == oss["full_context_in_flight"] == 2
+    text = check(tmp_path, edit).stdout
+    assert "qwen3-coder:30b: 96 KiB/token (bfloat16); a full context (32768 tokens) is 3.00 GiB: 2 at once" in text
+    folders = site_geometry(tmp_path / "f32", "float32")  # a float32 checkpoint is held as float32: twice the bytes
+    r = check(tmp_path, edit, "--json")
+    cap = {c["model"]: c for c in json.loads(r.stdout)["kv_capacity"]}
+    assert cap["qwen3-coder:30b"]["bytes_per_token"] == 192 * 1024
+    assert cap["qwen3-coder:30b"]["full_context_in_flight"] == 1

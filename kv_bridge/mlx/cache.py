@@ -1,6 +1,7 @@
 """Builds mlx-lm prompt caches from received KV (the only mlx code outside backends/).
 
-wire/ReceivedKV (L, H, T, D) per K and V, every layer covering prompt tokens [0, T) ->
+wire/ReceivedKV (L, H, T, D) per K and V, every layer covering prompt tokens [0, T), in the model's dtype (float32,
+float16, or bfloat16 as uint16 bits: viewed as mx.bfloat16, never widened) ->
   full-attention layer:   KVCache holding (1, H, T, D), offset T
   sliding layer (window W, keep k): RotatingKVCache(max_size=W, keep=k) holding the first k and the last
                           W - k tokens in temporal order (all T if T <= W), offset T, _idx = tokens held.
@@ -56,8 +57,11 @@ def rotating_cache(k: mx.array, v: mx.array, offset: int, max_size: int, keep: i
 
 
 def _mx(a: np.ndarray, dtype: mx.Dtype | None) -> mx.array:
+    """(H, T, D) numpy -> (1, H, T, D) mx in `dtype`; uint16 is bfloat16's bits (kv_bridge/dtypes.py)."""
     x = mx.array(a)[None]
-    return x if dtype is None else x.astype(dtype)
+    if a.dtype == np.uint16:
+        x = x.view(mx.bfloat16)
+    return x if dtype is None or x.dtype == dtype else x.astype(dtype)
 
 
 def build_prompt_cache(model, keys: np.ndarray, values: np.ndarray, dtype: mx.Dtype | None = None) -> list:
