@@ -167,6 +167,28 @@ async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.
     return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts}
 
 
+def await_fidelity(health_url: str, headers: dict, timeout_s: float) -> list[str]:
+    """Blocking (`disagg up`): until the gateway's canary has a verdict for every pair whose nodes are up (at most
+    `timeout_s`; 0: not at all), one line per pair: what the operator should know before the first request."""
+    import time
+    import urllib.request
+
+    deadline, rows = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(health_url, headers=headers), timeout=5) as r:
+                body = json.loads(r.read())
+            up = {n["name"] for n in body.get("nodes", []) if n.get("up")}
+            rows = [r for r in body.get("fidelity", []) if {r["prefill"], r["decode"]} <= up]
+        except (OSError, ValueError, KeyError):
+            rows = []
+        if all(r["state"] not in ("pending", "checking") for r in rows):
+            break
+        time.sleep(0.5)
+    return [f"KV fidelity {r['model']} {r['prefill']} -> {r['decode']}: {r.get('summary') or r['state']}"
+            for r in rows]
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 

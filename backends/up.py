@@ -325,6 +325,11 @@ def _print_ready(settings: Settings, children: list[Child]) -> None:
     if gw is None:
         print("disagg up: ready (no gateway on this machine). Ctrl-C stops everything.", flush=True)
         return
+    from backends.status import await_fidelity
+
+    for line in await_fidelity(f"http://{_connect_host(gw.host)}:{gw.port}/health", gw.headers,
+                               settings.fidelity.timeout_s if settings.fidelity.enabled else 0):
+        print(f"disagg up: {line}", flush=True)
     url = f"http://{_connect_host(gw.host)}:{gw.port}/v1"
     model = settings.models[0].id if settings.models else "smollm2:135m"
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '

