@@ -212,12 +212,14 @@ def render(result: dict, color: bool = False) -> str:
                          (l.error or "-")[:100]))
         lines += [""] + _table(rows, flag=lambda r: r[4] == "FAILED", mark=red)
     if result.get("fidelity"):
-        rows = [("MODEL", "PREFILL -> DECODE", "KV FIDELITY", "WORST", "REL. ERROR", "TOLERANCE", "GREEDY", "NOTE")]
+        rows = [("MODEL", "PREFILL -> DECODE", "KV FIDELITY", "WORST", "REL. ERROR", "TOLERANCE", "GREEDY", "KL",
+                 "NOTE")]
         for v in result["fidelity"]:
             figs = v.state != "error"
             rows.append((v.model, f"{v.prefill} -> {v.decode}", v.state.upper() if v.state == "failed" else v.state,
                          f"{v.tensor} layer {v.layer}" if figs else "-", f"{v.error:.2g}" if figs else "-",
-                         f"{v.tolerance:g}" if figs else "-", v.greedy or "-", (v.message or "-")[:100]))
+                         f"{v.tolerance:g}" if figs else "-", v.greedy or "-",
+                         "-" if v.kl is None else f"{v.kl:.2g}", (v.message or "-")[:100]))
         lines += [""] + _table(rows, flag=lambda r: r[2] != "verified", mark=red)
     return "\n".join(lines)
 

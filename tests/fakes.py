@@ -149,7 +149,8 @@ class FakeDecodeNode(FakeNode):
         bad = self.fidelity_error > 0.01
         return web.json_response({**base, "state": "failed" if bad else "verified", "error": self.fidelity_error,
                                   "layer": 3, "tensor": "K", "tolerance": 0.01, "wire_dtype": "float32",
-                                  "kv_dtype": "float32", "greedy": "0/8" if bad else "8/8", "seconds": 0.01})
+                                  "kv_dtype": "float32", "greedy": "0/8" if bad else "8/8", "kl": 2.0 if bad else 1e-6,
+                                  "seconds": 0.01})
 
     def deliver_kv(self, request_id: str, tokens: int) -> bool:
         t = self._transfers.get(request_id)

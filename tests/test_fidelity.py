@@ -11,7 +11,7 @@ import pytest
 
 import tiny_models
 from fakes import Cluster, chat_body
-from kv_bridge.fidelity import TOLERANCE, FidelityConfig, Verdict, tolerance
+from kv_bridge.fidelity import KL_TOLERANCE, TOLERANCE, FidelityConfig, Verdict, kl_tolerance, tolerance
 
 
 
@@ -67,8 +67,8 @@ def test_a_right_kv_compares_within_float32_rounding(tiny):
     worst = max(max(r["k"], r["v"]) for r in layers)
     assert worst < TOLERANCE["float32"], layers
     assert {r["tokens"] for r in layers} <= {len(ids) - 1, 16}  # a sliding layer compares its window
-    got = _run(fidelity.greedy(model, _bridged(model, ids[:-1]), ids[-1], 6))
-    assert got == _run(fidelity.greedy(model, reference, ids[-1], 6))
+    steps = _run(fidelity.greedy(model, _bridged(model, ids[:-1]), reference, ids[-1], 6))
+    assert steps["agree"] == steps["steps"] == 6 and steps["kl"] < 1e-4, steps
 
 
 @pytest.mark.parametrize("fault", ["swap", "transpose"])
@@ -77,8 +77,11 @@ def test_a_wrong_layout_is_far_past_every_tolerance(tiny, fault):
 
     model, ids = tiny
     reference = _run(fidelity.prefill(model, ids[:-1]))
-    layers = fidelity.compare(_bridged(model, ids[:-1], **{fault: True}), reference)
+    bridged = _bridged(model, ids[:-1], **{fault: True})
+    layers = fidelity.compare(bridged, reference)
     assert max(max(r["k"], r["v"]) for r in layers) > max(TOLERANCE.values()) * 3, layers
+    steps = _run(fidelity.greedy(model, bridged, reference, ids[-1], 4))
+    assert steps["kl"] > 0, steps  # a random tiny model's distributions are near flat: the KV says more here
 
 
 def test_prefill_never_ends_on_a_one_token_step(tiny):
@@ -94,8 +97,23 @@ def test_tolerance_is_the_coarser_dtype_and_unknown_is_refused():
     assert tolerance("float32", "float32") == TOLERANCE["float32"]
     assert tolerance("float8_e4m3", "bfloat16") == TOLERANCE["float8_e4m3"]
     assert tolerance("float32", "bfloat16") == TOLERANCE["bfloat16"]
+    assert kl_tolerance("bfloat16", "float32") == KL_TOLERANCE["bfloat16"]
     with pytest.raises(ValueError, match="uint32"):
         tolerance("float32", "uint32")
+
+
+def test_a_near_tie_flipped_by_rounding_passes_a_changed_distribution_fails():
+    """The tiny random gpt_oss of `make site` flips its first greedy token under bf16 + fp8 (its logits are near
+    flat) with its KV well within tolerance: the KL decides, not the argmax."""
+    from backends.canary import verdict
+
+    layers = [{"layer": 0, "k": 0.05, "v": 0.04, "tokens": 160}]
+    ok = verdict("m", "d", "float32", "float8_e4m3", 160, {"layers": layers, "greedy": "0/8", "kl": 0.004,
+                                                          "seconds": 1.0})
+    assert ok.state == "verified" and ok.greedy == "0/8"
+    bad = verdict("m", "d", "float32", "float8_e4m3", 160, {"layers": layers, "greedy": "1/8", "kl": 3.0,
+                                                           "seconds": 1.0})
+    assert bad.state == "failed" and "next-token KL 3 over 0.2" in bad.summary()
 
 
 def test_verdict_round_trips_and_says_what_failed():

@@ -76,12 +76,19 @@ def compare(bridged: list, reference: list) -> list[dict]:
     return out
 
 
-def greedy(model, cache: list, first: int, n: int) -> Generator[None, None, list[int]]:
-    """`n` greedy tokens after feeding `first` (the prompt's last token) to `cache`, one a step."""
-    y, out = mx.array([[first]]), []
+def greedy(model, bridged: list, reference: list, first: int, n: int) -> Generator[None, None, dict]:
+    """`n` greedy steps after feeding `first` (the prompt's last token), both caches fed MLX's own greedy tokens
+    (teacher-forced, so one divergence does not hide the rest): per step whether the bridged cache's argmax agrees,
+    and the KL divergence KL(mlx || bridged) of the next-token distributions. {"agree", "steps", "kl"} (kl: max)."""
+    y, agree, kl = first, 0, 0.0
     for _ in range(n):
-        t = int(mx.argmax(model(y, cache=cache)[:, -1], axis=-1).item())
-        out.append(t)
-        y = mx.array([[t]])
+        ref = model(mx.array([[y]]), cache=reference)[0, -1].astype(mx.float32)
+        got = model(mx.array([[y]]), cache=bridged)[0, -1].astype(mx.float32)
+        lr, lb = ref - mx.logsumexp(ref), got - mx.logsumexp(got)
+        step_kl = mx.sum(mx.exp(lr) * (lr - lb))
+        t = int(mx.argmax(ref).item())
+        agree += int(mx.argmax(got).item()) == t
+        kl = max(kl, float(step_kl.item()))
+        y = t
         yield
-    return out
+    return {"agree": agree, "steps": n, "kl": kl}
