@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
 import sys
 from pathlib import Path
@@ -19,8 +20,11 @@ EXIT_CONFIG = 2  # same code argparse uses for bad usage: the fix is in the invo
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # DISAGG_LOG_FILE (the Mac's launchd agent): reopened when newsyslog renames it, so rotation needs no restart
+    log_file = os.environ.get("DISAGG_LOG_FILE")
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[logging.handlers.WatchedFileHandler(log_file)] if log_file else None)
     try:
         settings = load_config(args.config)
         return args.func(settings, args) or 0
@@ -90,9 +94,13 @@ def _cmd_prefill(settings: Settings, args: argparse.Namespace) -> int | None:
 
 
 def _cmd_decode(settings: Settings, args: argparse.Namespace) -> int | None:
+    from backends.mac_memory import check_decode_start
+
+    node = _role_node(settings, args.node, "decode")
+    check_decode_start(settings, node, args.config)  # on a Mac: the models and their KV fit Metal's wired limit
     from backends.decode_node import serve
 
-    return serve(settings, _role_node(settings, args.node, "decode"))
+    return serve(settings, node)
 
 
 def _cmd_gateway(settings: Settings, args: argparse.Namespace) -> int | None:
