@@ -1,5 +1,5 @@
 """`disagg` command line: prepare models, check a config, run one role (prefill, decode, gateway), `up` for all of
-them, or `status` of a running site.
+them, `status` of a running site, or `doctor` for one machine before it serves.
 
 Role modules are imported inside their command, so `disagg gateway` works on a box without torch or mlx.
 """
@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                       "source --bits converts)")
     prep.add_argument("--mlx", metavar="SRC", help="decode side: an MLX folder or hub id, used as it is")
     prep.add_argument("--bits", type=int, choices=(4, 8), help="decode side: convert --hf with mlx-lm to this")
-    prep.add_argument("--against", type=Path, metavar="FOLDER", help="the other side's folder to verify against")
+    prep.add_argument("--against", metavar="FOLDER_OR_FINGERPRINT", help="verify against the other side: its "
+                      "folder, the gateway's copy (config.json + tokenizer, no weights), or its fingerprint string")
     prep.set_defaults(func=_cmd_models_prepare)
 
     cfg = sub.add_parser("config", help="check a config file").add_subparsers(dest="action", required=True)
@@ -66,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--probe-mib", type=float, default=64.0, help="test transfer size per pair (0: no probe)")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
     st.set_defaults(func=_cmd_status)
+
+    doc = sub.add_parser("doctor", parents=[common], help="check this machine before it serves one role: one "
+                         "line per check with the fix; exit 1 on any failure")
+    doc.add_argument("--node", required=True, help="the [[nodes]] name this machine runs, or `gateway` for the "
+                     "gateway box")
+    doc.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each /health")
+    doc.set_defaults(func=_cmd_doctor)
 
     for role, func in (("prefill", _cmd_prefill), ("decode", _cmd_decode)):
         r = sub.add_parser(role, parents=[common], help=f"run one {role} node")
@@ -125,6 +133,12 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from backends import status
 
     return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout)
+
+
+def _cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
+    from backends import doctor
+
+    return doctor.main(settings, args.config, args.node, args.timeout)
 
 
 def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
