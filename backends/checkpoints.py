@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,8 +139,27 @@ def side(role: str, folder: Path) -> Side:
     return Side(role, folder, model_quantization(folder), model_fingerprint(str(folder)))
 
 
+def other_side(role: str, against: str | Path) -> Side:
+    """`--against`: the other side's folder, the gateway's copy of the model (config.json and tokenizer, a few MB:
+    comparing fingerprints needs no weights, so a Mac need not hold the 65 GB prefill checkpoint), or a fingerprint
+    string as `disagg doctor` and `models prepare` print it (16 hex digits)."""
+    other = "prefill" if role == "decode" else "decode"
+    text = str(against)
+    if re.fullmatch(r"[0-9a-f]{16}", text):
+        return Side(other, Path("(the fingerprint given)"), "-", text)
+    folder = Path(text).expanduser()
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"--against {text}: neither a folder with config.json nor a fingerprint (16 hex "
+                              f"digits, as `disagg doctor` prints it on the other machine)")
+    if any(any(folder.glob(g)) for g in WEIGHT_GLOBS):
+        return side(other, folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"--against {folder}: no tokenizer.json; the fingerprint covers the tokenizer")
+    return Side("gateway", folder, "(no weights: config and tokenizer)", model_fingerprint(str(folder)))
+
+
 def prepare(model_id: str, dest: Path, role: str, hf: str | None = None, mlx: str | None = None,
-            bits: int | None = None, against: Path | None = None) -> list[Side]:
+            bits: int | None = None, against: str | Path | None = None) -> list[Side]:
     """Put `model_id`'s folder for `role` (prefill | decode) at `dest`; verify it against the other side's folder
     (`against`, or the HF source when converting) and return both sides for the report."""
     steps = ["fetch", "convert", "verify"] if role == "decode" and bits else ["fetch", "verify"]
@@ -170,7 +190,7 @@ def prepare(model_id: str, dest: Path, role: str, hf: str | None = None, mlx: st
         bar.set_postfix_str("verify")
         sides.append(side(role, folder))
         if against is not None:
-            sides.append(side("prefill" if role == "decode" else "decode", Path(against)))
+            sides.append(other_side(role, against))
         bar.update()
     if len(sides) == 2 and sides[0].fingerprint != sides[1].fingerprint:
         raise CheckpointError(f"{model_id}: fingerprints differ ({sides[0].fingerprint} vs {sides[1].fingerprint}): "

@@ -1,5 +1,5 @@
 """`disagg` command line: prepare models, check a config, run one role (prefill, decode, gateway), `up` for all of
-them, or `status` of a running site.
+them, `status` of a running site, or `doctor` for one machine before it serves.
 
 Role modules are imported inside their command, so `disagg gateway` works on a box without torch or mlx.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
 import sys
 from pathlib import Path
@@ -19,8 +20,11 @@ EXIT_CONFIG = 2  # same code argparse uses for bad usage: the fix is in the invo
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # DISAGG_LOG_FILE (the Mac's launchd agent): reopened when newsyslog renames it, so rotation needs no restart
+    log_file = os.environ.get("DISAGG_LOG_FILE")
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[logging.handlers.WatchedFileHandler(log_file)] if log_file else None)
     try:
         settings = load_config(args.config)
         return args.func(settings, args) or 0
@@ -47,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                       "source --bits converts)")
     prep.add_argument("--mlx", metavar="SRC", help="decode side: an MLX folder or hub id, used as it is")
     prep.add_argument("--bits", type=int, choices=(4, 8), help="decode side: convert --hf with mlx-lm to this")
-    prep.add_argument("--against", type=Path, metavar="FOLDER", help="the other side's folder to verify against")
+    prep.add_argument("--against", metavar="FOLDER_OR_FINGERPRINT", help="verify against the other side: its "
+                      "folder, the gateway's copy (config.json + tokenizer, no weights), or its fingerprint string")
     prep.set_defaults(func=_cmd_models_prepare)
 
     cfg = sub.add_parser("config", help="check a config file").add_subparsers(dest="action", required=True)
@@ -63,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
     st.add_argument("--no-fidelity", action="store_true", help="skip the KV fidelity canary of each pair")
     st.set_defaults(func=_cmd_status)
+
+    doc = sub.add_parser("doctor", parents=[common], help="check this machine before it serves one role: one "
+                         "line per check with the fix; exit 1 on any failure")
+    doc.add_argument("--node", required=True, help="the [[nodes]] name this machine runs, or `gateway` for the "
+                     "gateway box")
+    doc.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each /health")
+    doc.set_defaults(func=_cmd_doctor)
 
     for role, func in (("prefill", _cmd_prefill), ("decode", _cmd_decode)):
         r = sub.add_parser(role, parents=[common], help=f"run one {role} node")
@@ -91,9 +103,13 @@ def _cmd_prefill(settings: Settings, args: argparse.Namespace) -> int | None:
 
 
 def _cmd_decode(settings: Settings, args: argparse.Namespace) -> int | None:
+    from backends.mac_memory import check_decode_start
+
+    node = _role_node(settings, args.node, "decode")
+    check_decode_start(settings, node, args.config)  # on a Mac: the models and their KV fit Metal's wired limit
     from backends.decode_node import serve
 
-    return serve(settings, _role_node(settings, args.node, "decode"))
+    return serve(settings, node)
 
 
 def _cmd_gateway(settings: Settings, args: argparse.Namespace) -> int | None:
@@ -119,6 +135,12 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
     return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout,
                        fidelity=not args.no_fidelity)
+
+
+def _cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
+    from backends import doctor
+
+    return doctor.main(settings, args.config, args.node, args.timeout)
 
 
 def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ PREFILL_RUN = ("docker run -d --name disagg-prefill --restart unless-stopped --g
                "-v /opt/disagg:/opt/disagg:ro -e DISAGG_CONFIG=/opt/disagg/config.toml {mounts}"
                "-v disagg-cache:/root/.cache disagg-prefill --node {name}")
 DECODE_RUN = "docker/install-mac.sh {name}  (launchd com.disagg.decode: disagg decode --node {name})"
-GATEWAY_RUN = "docker-compose -f docker/compose.yaml -p disagg up -d --build"
+GATEWAY_RUN = "docker compose -f docker/compose.yaml -p disagg up -d --build"
 
 
 @dataclass

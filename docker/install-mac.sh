@@ -1,6 +1,8 @@
 #!/bin/bash
 # Install a disagg decode node on a Mac (Apple Silicon, macOS 14+): /opt/disagg owned by you, a Python 3.11+ venv
-# with the `decode` extra, and the launchd agent com.disagg.decode running `disagg decode --node NODE`.
+# with the `decode` extra, the launchd agent com.disagg.decode running `disagg decode --node NODE`, the LaunchDaemon
+# that sets Metal's wired limit at every boot, and decode.log's rotation (newsyslog).
+# RESERVED_GIB=12 docker/install-mac.sh mac-0: keep more than 8 GiB for macOS (match [[nodes]] reserved_gib).
 # Run it as the user who stays logged in (not with sudo; it asks for sudo only to create /opt/disagg):
 #   docker/install-mac.sh mac-0        (from the repository root; docs/deploy.md step 4)
 set -euo pipefail
@@ -10,6 +12,12 @@ PREFIX=/opt/disagg
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 PLIST_SRC="$REPO/docker/launchd/com.disagg.decode.plist"
 AGENT="$HOME/Library/LaunchAgents/com.disagg.decode.plist"
+LIMIT_SRC="$REPO/docker/launchd/com.disagg.wired-limit.plist"
+DAEMON=/Library/LaunchDaemons/com.disagg.wired-limit.plist
+ROTATE_SRC="$REPO/docker/launchd/com.disagg.decode.newsyslog.conf"
+ROTATE=/etc/newsyslog.d/com.disagg.decode.conf
+# what macOS keeps beside Metal: config check's reserved_gib for a decode node (8 unless [[nodes]] says otherwise)
+RESERVED_GIB="${RESERVED_GIB:-8}"
 
 die() { echo "install-mac: $*" >&2; exit 1; }
 
@@ -43,7 +51,26 @@ mkdir -p "$HOME/Library/LaunchAgents"
 sed "s/NODE_NAME/$NODE/" "$PLIST_SRC" > "$AGENT"
 plutil -lint "$AGENT" >/dev/null
 
+# Metal's GPU wired limit, persistent: iogpu.wired_limit_mb resets to 0 (about 75% of RAM) at every boot, below the
+# models and KV; a LaunchDaemon sets it before anyone logs in. The decode node checks it at start and refuses to run
+# without room (backends/mac_memory.py); `disagg doctor` reports it.
 mem_gib=$(( $(sysctl -n hw.memsize) / 1073741824 ))
+limit_mb=$(( (mem_gib - RESERVED_GIB) * 1024 ))
+tmp="$(mktemp)"
+sed "s/WIRED_LIMIT_MB/$limit_mb/" "$LIMIT_SRC" > "$tmp"
+plutil -lint "$tmp" >/dev/null
+sudo install -o root -g wheel -m 644 "$tmp" "$DAEMON"
+rm -f "$tmp"
+sudo launchctl bootout system/com.disagg.wired-limit 2>/dev/null || true
+sudo launchctl bootstrap system "$DAEMON"
+sudo sysctl "iogpu.wired_limit_mb=$limit_mb" >/dev/null
+[ "$(sysctl -n iogpu.wired_limit_mb)" = "$limit_mb" ] || die "iogpu.wired_limit_mb did not take $limit_mb"
+echo "wired limit: iogpu.wired_limit_mb=$limit_mb (${mem_gib} GiB less ${RESERVED_GIB}), set at every boot by $DAEMON"
+
+# decode.log rotation (newsyslog: 50 MB, 7 kept); the node reopens its log when it is renamed
+sed "s/USER:/$(id -un):/" "$ROTATE_SRC" | sudo tee "$ROTATE" >/dev/null
+sudo chmod 644 "$ROTATE"
+
 cat <<EOF
 
 Installed into $PREFIX (venv, logs) and $AGENT.
@@ -51,10 +78,9 @@ Before the service can start (it is not started yet):
   - $PREFIX/config.toml (examples/site.toml, edited) and $PREFIX/node-secret (chmod 600, owned by $(id -un));
   - the models: $PREFIX/.venv/bin/disagg models prepare --config $PREFIX/config.toml --model ID --role decode ...
   - check: $PREFIX/.venv/bin/disagg config check $PREFIX/config.toml
-Metal may wire only about 75% of the ${mem_gib} GiB by default; let it have all but the 8 GiB config check reserves
-(resets at reboot: run it again after one, or from a LaunchDaemon):
-  sudo sysctl iogpu.wired_limit_mb=$(( (mem_gib - 8) * 1024 ))
-Keep the Mac awake and logged in: sudo pmset -a sleep 0 disksleep 0 (and System Settings > Lock Screen: never).
+  - check this Mac: $PREFIX/.venv/bin/disagg doctor --config $PREFIX/config.toml --node $NODE
+Keep the Mac awake, logged in, and booting after a power loss:
+  sudo pmset -a sleep 0 disksleep 0 autorestart 1   (and System Settings > Lock Screen: never)
 FileVault: after a reboot the Mac waits at the unlock screen with no user session, so no LaunchAgent runs; use
 'sudo fdesetup authrestart' for planned reboots, or turn FileVault off and enable automatic login.
 EOF
@@ -63,7 +89,7 @@ EOF
 # memory the running node would hold). An agent already loaded is restarted on the new venv.
 if launchctl print "gui/$(id -u)/com.disagg.decode" >/dev/null 2>&1; then
     launchctl kickstart -k "gui/$(id -u)/com.disagg.decode"
-    echo "restarted com.disagg.decode for node $NODE; log: $PREFIX/logs/decode.log"
+    echo "restarted com.disagg.decode for node $NODE; log: $PREFIX/logs/decode.log (crashes: decode.out)"
 else
     echo "Then start it:  launchctl bootstrap gui/$(id -u) $AGENT   (log: $PREFIX/logs/decode.log)"
 fi

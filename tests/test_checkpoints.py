@@ -74,3 +74,29 @@ def test_source_that_is_neither_folder_nor_hub_id(tmp_path):
     r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "prefill",
             "--hf", "/no/such/folder", cwd=tmp_path)
     assert r.returncode == 1 and "neither a folder here nor a hub id" in r.stderr, r.stdout + r.stderr
+
+
+def test_decode_side_against_the_gateways_copy_or_a_fingerprint(tmp_path):
+    """A Mac compares its MLX folder with the gateway's copy (config and tokenizer, a few MB) or with the fingerprint
+    the prefill machine printed, instead of holding the prefill checkpoint (65 GB for gpt-oss-120b)."""
+    from kv_bridge.fingerprint import model_fingerprint
+
+    gw = tmp_path / "gateway-copy"
+    r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "gateway",
+            "--hf", str(MODEL_DIR), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (tmp_path / "served").rename(gw)  # as if copied from the gateway box
+    assert not list(gw.glob("*.safetensors"))
+    r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "decode",
+            "--mlx", str(MODEL_DIR), "--against", str(gw), cwd=tmp_path)
+    assert r.returncode == 0 and "fingerprints agree" in r.stdout and "no weights" in r.stdout, r.stdout + r.stderr
+    fp = model_fingerprint(str(MODEL_DIR))
+    r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "decode",
+            "--against", fp, cwd=tmp_path)
+    assert r.returncode == 0 and "fingerprints agree" in r.stdout, r.stdout + r.stderr
+    r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "decode",
+            "--against", "0123456789abcdef", cwd=tmp_path)
+    assert r.returncode == 1 and "fingerprints differ" in r.stderr, r.stdout + r.stderr
+    r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "decode",
+            "--against", "not-a-fingerprint", cwd=tmp_path)
+    assert r.returncode == 1 and "neither a folder with config.json nor a fingerprint" in r.stderr, r.stderr

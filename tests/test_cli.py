@@ -41,6 +41,8 @@ def _disagg() -> list[str]:
 
 def run(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
+    # this checkout's code, not the one the venv's editable install points at (a git worktree shares the venv)
+    clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run(_disagg() + list(args), cwd=cwd, env={**clean, **(env or {})},
                           capture_output=True, text=True, timeout=120)
 

@@ -100,7 +100,7 @@ def test_start_lines_carry_the_run_flags(tmp_path):
                  "-e DISAGG_CONFIG=/opt/disagg/config.toml", "-v disagg-cache:/root/.cache", "--node spark-0"):
         assert flag in spark, (flag, spark)
     assert "docker/install-mac.sh mac-1" in start
-    assert "docker-compose -f docker/compose.yaml" in start
+    assert "docker compose -f docker/compose.yaml" in start
 
 
 def test_api_keys_warning_names_only_the_gateway(tmp_path):

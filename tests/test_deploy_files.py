@@ -231,3 +231,44 @@ def test_launchd_service_runs_decode():
 @pytest.mark.parametrize("path", sorted(p.relative_to(DOCKER).as_posix() for p in DOCKER.rglob("*.y*ml")))
 def test_yaml_parses(path):
     assert yaml.safe_load((DOCKER / path).read_text())
+
+
+def test_wired_limit_is_set_at_every_boot():
+    """The LaunchDaemon the install script installs sets Metal's wired limit before anyone logs in (it resets to 0,
+    about 75% of RAM, at boot); the value is the Mac's RAM less config check's 8 GiB reserve."""
+    daemon = plistlib.loads((DOCKER / "launchd/com.disagg.wired-limit.plist").read_bytes())
+    assert daemon["ProgramArguments"] == ["/usr/sbin/sysctl", "iogpu.wired_limit_mb=WIRED_LIMIT_MB"]
+    assert daemon["RunAtLoad"] is True and "KeepAlive" not in daemon
+    script = (DOCKER / "install-mac.sh").read_text()
+    assert 'sed "s/WIRED_LIMIT_MB/$limit_mb/" "$LIMIT_SRC"' in script
+    assert 'sudo install -o root -g wheel -m 644 "$tmp" "$DAEMON"' in script
+    assert "DAEMON=/Library/LaunchDaemons/com.disagg.wired-limit.plist" in script
+    assert 'sudo launchctl bootstrap system "$DAEMON"' in script
+    assert 'limit_mb=$(( (mem_gib - RESERVED_GIB) * 1024 ))' in script and 'RESERVED_GIB="${RESERVED_GIB:-8}"' in script
+    from backends.mac_memory import DAEMON as CHECKED  # the path the decode node's refusal names
+
+    assert f"DAEMON={CHECKED}" in script
+
+
+def test_decode_log_is_rotated():
+    """newsyslog rotates the file the node logs to (reopened on rename: no signal) and launchd's stdout file."""
+    plist = plistlib.loads((DOCKER / "launchd/com.disagg.decode.plist").read_bytes())
+    rows = [line.split() for line in (DOCKER / "launchd/com.disagg.decode.newsyslog.conf").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert {r[0] for r in rows} == {plist["EnvironmentVariables"]["DISAGG_LOG_FILE"], plist["StandardOutPath"]}
+    for path, owner, mode, count, size, when, flags in rows:
+        assert owner == "USER:staff" and int(mode, 8) == 0o644 and int(count) > 0 and int(size) > 0
+        assert "N" in flags  # no process to signal: the handler reopens decode.log itself
+    assert 'sed "s/USER:/$(id -un):/" "$ROTATE_SRC"' in (DOCKER / "install-mac.sh").read_text()
+
+
+def test_log_file_handler_reopens_after_rotation(tmp_path):
+    """DISAGG_LOG_FILE: after newsyslog renames decode.log, the next line lands in a new decode.log."""
+    log = tmp_path / "decode.log"
+    code = ("import logging, os, sys; from backends import cli; "
+            "sys.exit(cli.main(['config', 'check', '/nonexistent.toml']) and "
+            "(os.rename(sys.argv[1], sys.argv[1] + '.0'), logging.getLogger('x').warning('after'), 0)[2])")
+    r = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "DISAGG_LOG_FILE": str(log)})
+    assert r.returncode == 0, r.stderr
+    assert "after" in log.read_text() and (tmp_path / "decode.log.0").exists()
