@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = ("torch", "vllm", "mlx", "mlx_lm", "transformers", "backends")
 # Pure-Python kv_bridge modules the gateway shares with the nodes: the config, the node protocol, and the stop-string
 # matcher it runs after a mid-stream failover (the decode node's own, so both cut a stop string at the same place),
-# and the fidelity canary's contract (its settings, verdict and node calls).
-GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops", "kv_bridge.fidelity")
+# the fidelity canary's contract (its settings, verdict and node calls), and the model families (each one's default
+# reasoning and tool-call parsers).
+GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops", "kv_bridge.fidelity",
+                     "kv_bridge.families")
 
 
 
