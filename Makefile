@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-EXTRAS := gateway,prefill-cpu,decode-cpu,models,dev
+EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
 
 .PHONY: install models serve site site-models test test-quick test-gpu tools clean

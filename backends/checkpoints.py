@@ -10,10 +10,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from kv_bridge.fingerprint import model_fingerprint, model_quantization
+
+if TYPE_CHECKING:  # tqdm comes with the `models` extra; the gateway box's `--role gateway` needs no bar
+    from tqdm import tqdm
 
 WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json")
 # Hub repos ship more than the HF folder vLLM and mlx-lm load: gpt-oss-120b adds original/ (its own format) and
@@ -165,6 +167,8 @@ def prepare(model_id: str, dest: Path, role: str, hf: str | None = None, mlx: st
     steps = ["fetch", "convert", "verify"] if role == "decode" and bits else ["fetch", "verify"]
     downloaded = None
     sides: list[Side] = []
+    from tqdm import tqdm
+
     with tqdm(total=len(steps), desc=f"prepare {model_id} ({role})", unit="step") as bar:
         if role == "prefill":
             if hf is None and not (dest / "config.json").is_file():

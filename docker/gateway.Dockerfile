@@ -11,7 +11,7 @@ COPY pyproject.toml README.md ./
 COPY kv_bridge ./kv_bridge
 COPY backends ./backends
 COPY gateway ./gateway
-# The project itself, with the versions its pyproject.toml names (litellm pinned there).
+# The project itself, with the versions its pyproject.toml names (litellm within its tested range there).
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[gateway]" \
  && python -c "import sys, gateway.app; heavy = {'torch', 'vllm', 'mlx'} & set(sys.modules); assert not heavy, heavy"

@@ -27,6 +27,7 @@ from gateway.metrics import Metrics
 from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
 from gateway.cluster.orchestrator import Orchestrator
+from gateway.text.output import check_parsers
 from gateway.text.tokenizer import ChatTokenizer
 
 log = logging.getLogger("gateway")
@@ -129,6 +130,7 @@ def _open_handlers(cfg: AuthConfig) -> set:
 def create_app(settings: Settings) -> web.Application:
     """Build the gateway app for `settings`; raises kv_bridge.config.ConfigError for a bad model folder or an
     unreadable auth file."""
+    check_parsers(settings.models)
     tokenizers = {m.id: ChatTokenizer.from_folder(resolve_model_path(m)) for m in settings.models}
     m = Metrics()
     pool = NodePool(settings.nodes, m, settings.gateway.health_interval_s)

@@ -89,12 +89,14 @@ class ModelRoute(ModelSizes):
                                             "serve (litellm); None: answer 503")
     aliases: list[str] = Field(default_factory=list, description="other names clients use for this model, e.g. "
                                '"openai/gpt-oss-120b"; each works on both APIs and is listed by /v1/models, /api/tags')
-    reasoning_parser: Literal["harmony", "think", "none"] | None = Field(
-        default=None, description='how output splits into reasoning and content; default by model family '
-        '(gpt_oss: "harmony", qwen3: "think", others "none")')
-    tool_parser: Literal["hermes", "qwen3_coder", "harmony", "none"] | None = Field(
-        default=None, description='how tool calls are read from the output; default by model family (gpt_oss: '
-        '"harmony", qwen3_moe: "qwen3_coder", qwen3: "hermes", others "none")')
+    # Parser names are checked at the gateway's start-up against its registries (gateway/text/output.py
+    # check_parsers), which this module, shared with the nodes, does not import.
+    reasoning_parser: str | None = Field(
+        default=None, description='how output splits into reasoning and content ("harmony", "think", "none"); '
+        'default by model family (kv_bridge/families: gpt_oss "harmony", qwen3 "think", others none)')
+    tool_parser: str | None = Field(
+        default=None, description='how tool calls are read from the output ("hermes", "qwen3_coder", "harmony", '
+        '"none"); default by model family (gpt_oss "harmony", qwen3_moe "qwen3_coder", qwen3/qwen2 "hermes")')
 
     @property
     def names(self) -> list[str]:

@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = ("torch", "vllm", "mlx", "mlx_lm", "transformers", "backends")
 # Pure-Python kv_bridge modules the gateway shares with the nodes: the config, the node protocol, and the stop-string
 # matcher it runs after a mid-stream failover (the decode node's own, so both cut a stop string at the same place),
-# and the fidelity canary's contract (its settings, verdict and node calls).
-GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops", "kv_bridge.fidelity")
+# the fidelity canary's contract (its settings, verdict and node calls), and the model families (each one's default
+# reasoning and tool-call parsers).
+GATEWAY_KV_BRIDGE = ("kv_bridge.config", "kv_bridge.protocol", "kv_bridge.stops", "kv_bridge.fidelity",
+                     "kv_bridge.families")
 
 
 
@@ -57,8 +59,14 @@ def test_import_leaves_heavy_modules_out():
     assert [(name, heavy) for name, heavy in seen if heavy][:1] == []
 
 
-def _gateway_imports(path: Path) -> set[str]:
-    """The gateway modules `path` imports (dotted), at any depth of its tree (TYPE_CHECKING blocks, function bodies)."""
+PACKAGES = ("gateway", "backends", "kv_bridge")
+ALL_FILES = sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+ALL_MODULES = {_module(p) for p in ALL_FILES}
+
+
+def _imports(path: Path) -> set[str]:
+    """The first-party modules `path` imports (dotted), at any depth of its tree (TYPE_CHECKING blocks, function
+    bodies): `from pkg import name` counts as pkg.name when that is a module, else as pkg."""
     here = _module(path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
     out = set()
@@ -66,30 +74,63 @@ def _gateway_imports(path: Path) -> set[str]:
         if isinstance(node, ast.ImportFrom):
             base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
             module = ".".join(x for x in (base, node.module or "") if x)
-            if not module.startswith("gateway"):
+            if module.split(".")[0] not in PACKAGES:
                 continue
-            known = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in GATEWAY_MODULES]
+            known = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in ALL_MODULES]
             out.update(known or [module])
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("gateway."))
-    return out - {"gateway"}
+            out.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
+    return out - {_module(path)}
+
+
+def _gateway_imports(path: Path) -> set[str]:
+    """The gateway modules `path` imports (dotted), at any depth of its tree (TYPE_CHECKING blocks, function bodies)."""
+    return {m for m in _imports(path) if m.startswith("gateway.")}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (module -> modules it imports) as a path that ends where it starts, or None."""
+    state: dict[str, str] = {}  # "open" while on the DFS stack, "done" after
+
+    def visit(mod: str, stack: list[str]) -> list[str] | None:
+        if state.get(mod) == "done" or mod not in graph:
+            return None
+        if state.get(mod) == "open":
+            return [*stack[stack.index(mod):], mod]
+        state[mod] = "open"
+        for dep in sorted(graph[mod]):
+            found = visit(dep, [*stack, mod])
+            if found:
+                return found
+        state[mod] = "done"
+        return None
+
+    for mod in sorted(graph):
+        found = visit(mod, [])
+        if found:
+            return found
+    return None
 
 
 def test_gateway_modules_have_no_import_cycle():
     graph = {_module(p): _gateway_imports(p) for p in GATEWAY_FILES}
-    state: dict[str, str] = {}  # "open" while on the DFS stack, "done" after
+    cycle = _cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
-    def visit(mod: str, stack: list[str]) -> None:
-        if state.get(mod) == "done" or mod not in graph:
-            return
-        assert state.get(mod) != "open", f"import cycle: {' -> '.join([*stack[stack.index(mod):], mod])}"
-        state[mod] = "open"
-        for dep in sorted(graph[mod]):
-            visit(dep, [*stack, mod])
-        state[mod] = "done"
 
-    for mod in sorted(graph):
-        visit(mod, [])
+def test_no_import_cycle_in_any_package():
+    """gateway, backends and kv_bridge together (imports across them included): no module reaches itself, not even
+    through a TYPE_CHECKING block or a function-level import. Name what a module needs as a Protocol instead."""
+    graph = {_module(p): _imports(p) for p in ALL_FILES}
+    cycle = _cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_cycle_finder_sees_a_cycle():
+    """The check itself: a two-module cycle, a longer one, and none."""
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
 def test_every_module_stays_under_400_lines():

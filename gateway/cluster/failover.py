@@ -12,12 +12,13 @@ from kv_bridge.protocol import DoneLine, Fallback, Path, Sampling, TokenLine
 from kv_bridge.stops import StopMatcher
 
 from gateway.errors import UpstreamError
+from gateway.cluster.attempt import Attempt
 from gateway.cluster.generation import Generation
 from gateway.metrics import Metrics
 from gateway.cluster.nodes import NodeState
 
-# reopen(prompt, sampling, tried node names, fallbacks so far): a generation on another decode node, or None.
-Reopen = Callable[[list[int], Sampling, list[str], list[str]], Awaitable[Generation | None]]
+# reopen(prompt, sampling, attempt: the nodes tried and fallbacks so far): a generation on another decode node, or None.
+Reopen = Callable[[list[int], Sampling, Attempt], Awaitable[Generation | None]]
 
 log = logging.getLogger("gateway.cluster.orchestrator")
 
@@ -148,7 +149,7 @@ class Resumable:
                            grammar_generated=len(self.ids) if self.sampling.grammar else 0)
         prompt = [*self.prompt, *self.ids]
         fallbacks = [*broken.fallbacks, Fallback.DECODE_FAILOVER]
-        gen = await self._reopen(prompt, sampling, self._tried, fallbacks)
+        gen = await self._reopen(prompt, sampling, Attempt(tried=self._tried, fallbacks=fallbacks))
         if gen is None:
             log.warning("decode node %s broke mid-stream (%s) and no other decode node can continue %s",
                         broken.decode.name, err.message, broken.request_id)

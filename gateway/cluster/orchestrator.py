@@ -25,6 +25,7 @@ from kv_bridge.config import ModelRoute, Settings
 from kv_bridge.protocol import SEED_SPACE, DoneLine, Fallback, Sampling, TokenLine
 
 from gateway.errors import NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
+from gateway.cluster.attempt import Attempt, GenerationStream
 from gateway.cluster.failover import Resumable
 from gateway.cluster.admission import Admission, Ticket
 from gateway.cluster.generation import Generation, PrefillRoute
@@ -115,8 +116,7 @@ class Orchestrator:
             m.admission_tokens.labels(node, "inflight").set(gate.inflight_tokens)
             m.admission_tokens.labels(node, "queued").set(gate.queued_tokens)
 
-    async def start(self, route: ModelRoute, prompt: Prompt,
-                    sampling: Sampling) -> Resumable | UpstreamGeneration:
+    async def start(self, route: ModelRoute, prompt: Prompt, sampling: Sampling) -> GenerationStream:
         """Open a generation: the conversation's decode node or the least-loaded one, then the next on failure, then
         the upstream; 429 at the model's limit or when every node is full, 503 when nothing can serve."""
         limit = route.max_inflight
@@ -126,30 +126,27 @@ class Orchestrator:
                               f"{self.retry_after_s}s", self.retry_after_s)
         prefix = self.affinity.hashes(route.id, prompt.ids)
         prefer = self._remembered(route, prefix)
-        tried: list[str] = []
-        busy: list[str] = []
-        fallbacks: list[str] = []
-        gen = await self.open_on_pool(route, prompt.ids, sampling, tried, fallbacks, prefix, prefer, busy)
+        attempt = Attempt()
+        gen = await self.open_on_pool(route, prompt.ids, sampling, attempt, prefix, prefer)
         if gen is None:
-            return await self._beyond_the_pool(route, prompt, sampling, tried, fallbacks, busy)
+            return await self._beyond_the_pool(route, prompt, sampling, attempt)
 
-        async def reopen(ids: list[int], s: Sampling, tried: list[str], fallbacks: list[str]) -> Generation | None:
-            return await self.open_on_pool(route, ids, s, tried, fallbacks, self.affinity.hashes(route.id, ids))
+        async def reopen(ids: list[int], s: Sampling, attempt: Attempt) -> Generation | None:
+            return await self.open_on_pool(route, ids, s, attempt, self.affinity.hashes(route.id, ids))
         return Resumable(gen, sampling, reopen, self.metrics, self.client.check, self.detokenize)
 
-    async def open_on_pool(self, route: ModelRoute, prompt: list[int], sampling: Sampling, tried: list[str],
-                           fallbacks: list[str], prefix: list[bytes], prefer: str | None = None,
-                           busy: list[str] | None = None) -> Generation | None:
-        """A generation opened on the first decode node of the pool that accepts it (skipping `tried`, to which
-        each node that fails is added; one that answered 429 goes to `busy` too), or None when no node is left."""
-        busy = [] if busy is None else busy
+    async def open_on_pool(self, route: ModelRoute, prompt: list[int], sampling: Sampling, attempt: Attempt,
+                           prefix: list[bytes], prefer: str | None = None) -> Generation | None:
+        """A generation opened on the first decode node of the pool that accepts it (skipping `attempt.tried`, to
+        which each node that fails is added with its reason), or None when no node is left."""
+        tried = attempt.tried
         while True:
             decode = self.pool.pick(route.decode, exclude=tried, prefer=prefer, slack=self.affinity_slack)
             if not tried and prefer is not None:
                 self.metrics.affinity.labels(route.id, "hit" if decode and decode.name == prefer else "skipped").inc()
             if decode is None:
                 return None
-            gen = await self._generation(route, decode, prompt, fallbacks, prefix)
+            gen = await self._generation(route, decode, prompt, attempt.fallbacks, prefix)
             try:
                 await gen.open(sampling)
                 return gen
@@ -157,13 +154,11 @@ class Orchestrator:
                 await gen.close()
                 if isinstance(e, NodeUnavailable):
                     self.pool.mark(decode, False, e.message)
-                reason = Fallback.DECODE_NODE_BUSY if isinstance(e, NodeBusy) else Fallback.DECODE_NODE_FAILED
-                if reason == Fallback.DECODE_NODE_BUSY:
-                    busy.append(decode.name)
+                busy = isinstance(e, NodeBusy)
+                reason = Fallback.DECODE_NODE_BUSY if busy else Fallback.DECODE_NODE_FAILED
                 log.warning("decode node %s %s before streaming (%s); trying the next", decode.name,
-                            "was busy" if reason == Fallback.DECODE_NODE_BUSY else "failed", e.message)
-                tried.append(decode.name)
-                fallbacks.append(reason)
+                            "was busy" if busy else "failed", e.message)
+                attempt.failed(decode.name, reason, busy)
                 self.metrics.fallback(route.id, reason)
             except BaseException:
                 await gen.close()
@@ -199,11 +194,12 @@ class Orchestrator:
             return None
         return hit[0]
 
-    async def _beyond_the_pool(self, route: ModelRoute, prompt: Prompt, sampling: Sampling, tried: list[str],
-                               fallbacks: list[str], busy: list[str] = ()) -> UpstreamGeneration:
+    async def _beyond_the_pool(self, route: ModelRoute, prompt: Prompt, sampling: Sampling,
+                               attempt: Attempt) -> UpstreamGeneration:
         """No decode node can serve: the upstream when one is configured and the request can go there; else 429
         when healthy nodes are only full (at max_inflight, or refusing with 429), 503 when none is healthy."""
-        full = [*busy, *(n.name for n in self.pool.healthy(route.decode) if n.name not in tried and n.full)]
+        tried, fallbacks = attempt.tried, attempt.fallbacks
+        full = [*attempt.busy, *(n.name for n in self.pool.healthy(route.decode) if n.name not in tried and n.full)]
         why = (f"every decode node of model {route.id!r} is full: at its max_inflight or in-flight KV cap "
                f"({', '.join(full)})" if full else
                f"no healthy decode node for model {route.id!r}" + (f" (tried {', '.join(tried)})" if tried else ""))
@@ -242,7 +238,7 @@ class Choices:
 
     def __init__(self, orch: Orchestrator, route: ModelRoute, prompt: Prompt, samplings: list[Sampling]) -> None:
         self._orch, self.route, self.prompt, self.samplings = orch, route, prompt, samplings
-        self.gens: list[Resumable | UpstreamGeneration] = []
+        self.gens: list[GenerationStream] = []
         self._pumps: list[asyncio.Task] = []
         self._closed = False
 
@@ -262,7 +258,7 @@ class Choices:
             raise errors[0]
 
     @property
-    def first(self) -> Resumable | UpstreamGeneration:
+    def first(self) -> GenerationStream:
         return self.gens[0]
 
     @property
@@ -283,7 +279,7 @@ class Choices:
             yield index, item
 
     @staticmethod
-    async def _pump(index: int, gen: Resumable | UpstreamGeneration, q: asyncio.Queue) -> None:
+    async def _pump(index: int, gen: GenerationStream, q: asyncio.Queue) -> None:
         try:
             async for tok in gen.tokens():
                 q.put_nowait((index, tok))

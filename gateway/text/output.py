@@ -3,20 +3,35 @@ text, then finish) through the model's reasoning parser and, when the request ha
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gateway.text.reasoning import Delta, HarmonyParser, reasoning_parser
-from gateway.text.toolcalls import ToolCall, tool_parser
+from kv_bridge.config import ConfigError, ModelRoute
+from kv_bridge.families import output_family
+
+from gateway.text.reasoning import REASONING_PARSERS, Delta, HarmonyParser, reasoning_parser
+from gateway.text.toolcalls import PARSERS, ToolCall, tool_parser
 from gateway.text.toolcalls.base import CallPiece
 from gateway.text.toolcalls.harmony import HarmonyCalls
 
-# A model family's default tool-call format (config.toml `tool_parser` overrides it; "none": no parsing).
-FAMILY_TOOLS = {"gpt_oss": "harmony", "qwen3_moe": "qwen3_coder", "qwen3": "hermes", "qwen2": "hermes"}
-
 
 def tool_parser_name(configured: str | None, model_type: str | None) -> str | None:
-    name = configured if configured is not None else FAMILY_TOOLS.get(model_type or "")
+    """The tool-call parser of a model's output, or None: config.toml `tool_parser` ("none": no parsing), else its
+    family's default (kv_bridge/families)."""
+    name = configured if configured is not None else output_family(model_type).tool_parser
     return None if name in (None, "none") else name
+
+
+def check_parsers(routes: Iterable[ModelRoute]) -> None:
+    """At start-up: each model's configured `reasoning_parser` and `tool_parser` names a parser of the registries
+    (REASONING_PARSERS, toolcalls.PARSERS) or "none"; raises ConfigError naming the choices."""
+    for r in routes:
+        for key, name, registry in (("reasoning_parser", r.reasoning_parser, REASONING_PARSERS),
+                                    ("tool_parser", r.tool_parser, PARSERS)):
+            if name is not None and name != "none" and name not in registry:
+                raise ConfigError(f"model {r.id!r}: {key} {name!r} is not a known parser; set it to one of "
+                                  f"{', '.join(sorted(registry))} or \"none\", or leave it out for the model "
+                                  f"family's default")
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_bridge.families import output_family
+
 from gateway.text.markers import MarkerScanner
 
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
@@ -202,14 +204,12 @@ def gate_grammar(grammar: dict | None, parser: str | None, prompt_tail: str) -> 
 
 
 REASONING_PARSERS = {"harmony": HarmonyParser, "think": ThinkParser}
-# A model family's default (config.toml `reasoning_parser` overrides it; "none": no split). qwen3_moe has none:
-# qwen3-coder does not think, and a Qwen3 MoE that does names "think" in its config.
-FAMILY_REASONING = {"gpt_oss": "harmony", "qwen3": "think"}
 
 
 def parser_name(configured: str | None, model_type: str | None) -> str | None:
-    """The reasoning parser a model's output goes through, or None."""
-    name = configured if configured is not None else FAMILY_REASONING.get(model_type or "")
+    """The reasoning parser a model's output goes through, or None: config.toml `reasoning_parser` ("none": no split),
+    else its family's default (kv_bridge/families)."""
+    name = configured if configured is not None else output_family(model_type).reasoning_parser
     return None if name in (None, "none") else name
 
 

@@ -1,4 +1,5 @@
-"""Model-family quirks of the KV bridge, one file per family, chosen by the HF `model_type` (never guessed)."""
+"""Model families, one file each, chosen by the HF `model_type` (never guessed): the KV bridge's quirks and the
+output formats (reasoning, tool calls) the gateway parses by default."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from kv_bridge.families.base import Family, FamilyConfigError, LayerSpec
 from kv_bridge.families.gpt_oss import GptOss
 from kv_bridge.families.llama import Llama
+from kv_bridge.families.qwen2 import Qwen2
+from kv_bridge.families.qwen3 import Qwen3
 from kv_bridge.families.qwen3_moe import Qwen3Moe
 
 # HF config.json `model_type` -> family
@@ -17,9 +20,14 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Qwen3Moe(),
     "gpt_oss": GptOss(),
 }
+# Families whose output the gateway knows but whose KV the bridge does not carry (family_for refuses them)
+OUTPUT_ONLY: dict[str, Family] = {
+    "qwen3": Qwen3(),
+    "qwen2": Qwen2(),
+}
 
-__all__ = ["FAMILIES", "Family", "FamilyConfigError", "LayerSpec", "family_for", "vllm_hf_overrides",
-           "check_vllm_hf_config"]
+__all__ = ["FAMILIES", "OUTPUT_ONLY", "Family", "FamilyConfigError", "LayerSpec", "family_for", "output_family",
+           "vllm_hf_overrides", "check_vllm_hf_config"]
 
 
 def family_for(model_type: str | None) -> Family:
@@ -29,6 +37,12 @@ def family_for(model_type: str | None) -> Family:
         raise ValueError(f"model_type {model_type!r} is not supported by the KV bridge; supported: "
                          f"{sorted(FAMILIES)} (add kv_bridge/families/<family>.py and register it in FAMILIES)")
     return fam
+
+
+def output_family(model_type: str | None) -> Family:
+    """The family whose output formats a model of `model_type` writes; an unknown type gets the plain Family (no
+    reasoning split, no tool-call parsing), as the gateway serves any model mlx-lm loads."""
+    return FAMILIES.get(model_type or "") or OUTPUT_ONLY.get(model_type or "") or Family()
 
 
 def _config(folder: str | Path) -> dict:

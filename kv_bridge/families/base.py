@@ -1,5 +1,6 @@
 """What the bridge must know about a model family: which layers slide (and by how much), which configs the
-two engines (vLLM prefill, mlx-lm decode) would compute differently and so must be refused.
+two engines (vLLM prefill, mlx-lm decode) would compute differently and so must be refused; and what the gateway
+must know of its output: the reasoning and tool-call formats it writes by default.
 
 A family reads the HF config as a mapping (config.json, or mlx-lm's ModelArgs as a dict).
 """
@@ -28,6 +29,11 @@ class LayerSpec:
 
 class Family:
     model_type: str = ""
+    # The formats the family's output comes in, by the names of the gateway's parser registries (gateway/text:
+    # REASONING_PARSERS, toolcalls.PARSERS); config.toml `reasoning_parser` / `tool_parser` override them. None: no
+    # reasoning split, no tool-call parsing.
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
 
     def check_config(self, cfg: Mapping) -> None:
         """Raise FamilyConfigError for a config the engines would compute differently."""

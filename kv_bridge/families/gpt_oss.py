@@ -24,6 +24,7 @@ def _rope(cfg: Mapping) -> dict:
 
 class GptOss(Family):
     model_type = "gpt_oss"
+    reasoning_parser = tool_parser = "harmony"  # analysis/final channels; calls are messages to=functions.NAME
 
     def check_config(self, cfg: Mapping) -> None:
         n = int(cfg["num_hidden_layers"])

@@ -14,6 +14,8 @@ from kv_bridge.families.base import Family, FamilyConfigError
 
 class Qwen3Moe(Family):
     model_type = "qwen3_moe"
+    # qwen3-coder does not think (a Qwen3 MoE that does names "think" in its config) and writes XML tool calls
+    tool_parser = "qwen3_coder"
 
     def check_config(self, cfg: Mapping) -> None:
         if cfg.get("use_sliding_window"):
