@@ -278,3 +278,18 @@ def test_both_site_files_fit_and_say_how_many_grading_prompts_each_mac_holds(tmp
         else:
             assert (cap["mac-0", "qwen3-coder:30b"]["at_once"], cap["mac-0", "gpt-oss:120b"]["at_once"]) == (1, 2)
             assert "one of each model at once: 4.01 GiB reserved of the in-flight 4.25: fits" in text
+
+
+def test_deploy_guides_table_is_what_config_check_prints(tmp_path):
+    """docs/deploy.md "Which site file": each row's memory and prompts at once, as config check computes them."""
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    rows = [line.split("|")[1:-1] for line in guide.splitlines() if line.startswith("| site")]
+    assert len(rows) == 3, rows
+    for path in (SITE, PAIRED):
+        _, out, cap, _ = capacity_of(path, tmp_path / path.stem)
+        for b in (b for b in out["budgets"] if b["node"].startswith("mac")):
+            row = next(r for r in rows if r[0].strip() == path.name and b["node"] in r[1])
+            assert row[2].strip() == f"{sum(b['memory_gib'].values()):.1f}", (row, b)
+            for col, model in ((3, "qwen3-coder:30b"), (4, "gpt-oss:120b")):
+                c = cap.get((b["node"], model))
+                assert row[col].strip() == (str(c["at_once"]) if c else "-"), (row, model)
