@@ -10,6 +10,8 @@ from pathlib import Path
 
 from kv_bridge.config import ConfigError, ModelRoute, NodeConfig, Settings, is_loopback, resolve_model_path
 
+from backends import decode_budget
+
 GIB = 2**30
 
 # How each role starts on the seed site (docs/deploy.md): the flags the prefill image needs, the Mac install script.
@@ -18,6 +20,8 @@ PREFILL_RUN = ("docker run -d --name disagg-prefill --restart unless-stopped --g
                "-v disagg-cache:/root/.cache disagg-prefill --node {name}")
 DECODE_RUN = "docker/install-mac.sh {name}  (launchd com.disagg.decode: disagg decode --node {name})"
 GATEWAY_RUN = "docker compose -f docker/compose.yaml -p disagg up -d --build"
+LOWER = ("lower [decode] prefix_cache_bytes or mlx_cache_limit_bytes, [kv] max_inflight_bytes or pool_bytes, serve "
+         "fewer models on it (examples/site-paired.toml: one model per Mac), or give it more memory")
 
 
 @dataclass
@@ -31,7 +35,8 @@ class Report:
     def to_json(self) -> dict:
         return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings,
                 "budgets": [{"node": b.node, "memory_gib": dict(b.memory), "available_gib": b.available_gib,
-                             "disk_gib": dict(b.disk), "disk_available_gib": b.disk_gib} for b in self.budgets],
+                             "disk_gib": dict(b.disk), "disk_available_gib": b.disk_gib, "notes": b.notes,
+                             "grading_capacity": b.capacity} for b in self.budgets],
                 "kv_capacity": self.kv_capacity}
 
 
@@ -172,29 +177,34 @@ class Budget:
     available_gib: float | None
     disk: list[tuple[str, float]]
     disk_gib: float | None
+    notes: list[str] = field(default_factory=list)  # where the figures came from (measured, declared, published)
+    capacity: list[dict] = field(default_factory=list)  # decode: grading prompts per model at once
+
+    def memory_of(self, what: str) -> float:
+        return next((g for w, g in self.memory if w == what), 0.0)
 
     def line(self) -> str:
         need = sum(g for _, g in self.memory)
         have = "?" if self.available_gib is None else f"{self.available_gib:.1f}"
         parts = " + ".join(f"{what} {g:.1f}" for what, g in self.memory)
-        return f"  {self.node}: memory {need:.1f} of {have} GiB ({parts})"
+        lines = [f"  {self.node}: memory {need:.1f} of {have} GiB ({parts})"] + [f"    {n}" for n in self.notes]
+        for c in self.capacity:
+            lines.append(f"    {c['model']}: {c['at_once']} at once of {c['tokens']}-token grading prompts "
+                         f"({c['reserved_gib']:.2f} GiB reserved each, {c['dtype']}, every layer at full length: "
+                         f"{c['by_kv']} by in-flight KV, max_batch_size {c['max_batch']}; "
+                         f"{c['held_gib']:.2f} GiB held once decoding)")
+        if len(self.capacity) > 1:  # the node's models share its in-flight KV
+            both, bound = sum(c["reserved_gib"] for c in self.capacity), self.memory_of("in-flight KV")
+            lines.append(f"    one of each model at once: {both:.2f} GiB reserved of the in-flight {bound:.2f}: "
+                         f"{'fits' if both <= bound else 'does not fit'}")
+        return "\n".join(lines)
 
 
 def weights_gib(route: ModelRoute, role: str, base: Path) -> float | None:
-    """The side's declared size, else the folder's *.safetensors where this machine has the side's folder."""
-    declared = route.prefill_weights_gib if role == "prefill" else route.decode_weights_gib
-    if declared is not None:
-        return declared
-    folder = resolve_model_path(route, base)
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    # One path holds each machine's own format: a quantized MLX folder ("quantization", mlx-lm's key) is the decode
-    # side's only; an unquantized or vLLM-quantized HF folder is measured for either side.
-    if "quantization" in cfg and role == "prefill":
-        return None
-    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) / GIB or None
+    """The side's folder measured where it is here, else its declared size (decode_budget.weights says which)."""
+    from backends.decode_budget import weights
+
+    return weights(route, role, base)[0]
 
 
 def budgets(s: Settings, config: Path, errors: list[str], warnings: list[str]) -> list[Budget]:
@@ -212,27 +222,27 @@ def budgets(s: Settings, config: Path, errors: list[str], warnings: list[str]) -
             warnings.append(f"{node.name}: weight size of {unknown} unknown here: set {pool}_weights_gib in [[models]]")
         known = [(f"{mid} weights", g) for mid, g in sizes.items() if g is not None]
         if node.role == "decode":
-            b = _decode(s, node, routes, known, errors)
+            b = _decode(s, node, routes, base, errors)
         else:
             b = _prefill(s, node, routes, sizes, errors)
+            b.notes = [f"{r.id} weights: {decode_budget.weights(r, 'prefill', base)[1]}" for r in routes]
         b.disk, b.disk_gib = [(what.replace(" weights", ""), g) for what, g in known], node.disk_gib
         _check_disk(b, errors)
         out.append(b)
     return out
 
 
-def _decode(s: Settings, node: NodeConfig, routes: list[ModelRoute], weights: list, errors: list[str]) -> Budget:
-    """Mac: every served model's MLX weights, a prefix cache per model, the in-flight KV bound and the pool."""
-    mem = [*weights, (f"prefix caches ({len(routes)} models)", len(routes) * s.decode.prefix_cache_bytes / GIB),
-           ("in-flight KV", s.kv.max_inflight_bytes / GIB), ("receive pool", s.kv.pool_bytes / GIB)]
+def _decode(s: Settings, node: NodeConfig, routes: list[ModelRoute], base: Path, errors: list[str]) -> Budget:
+    """Mac: decode_budget's items (weights, prefix caches, in-flight KV, pool, local prefill, MLX cache, process,
+    session) against its RAM less what macOS keeps."""
+    d = decode_budget.decode_budget(s, node, routes, base)
     avail = node.memory_gib - node.reserved("decode")
-    b = Budget(node.name, mem, avail, [], None)
-    need = sum(g for _, g in mem)
+    b = Budget(node.name, d.items, avail, [], None, d.notes, decode_budget.grading_capacity(s, node, routes, base))
+    need = sum(g for _, g in d.items)
     if need > avail:
-        errors.append(f"decode node {node.name!r} needs {need:.1f} GiB ({', '.join(f'{w} {g:.1f}' for w, g in mem)}) "
-                      f"but has {avail:.1f} GiB ({node.memory_gib:g} GiB less {node.reserved('decode'):g} reserved "
-                      f"for macOS); lower [decode] prefix_cache_bytes, [kv] max_inflight_bytes or pool_bytes, serve "
-                      f"fewer models on it, or give it more memory")
+        errors.append(f"decode node {node.name!r} needs {need:.1f} GiB ({', '.join(f'{w} {g:.1f}' for w, g in d.items)}"
+                      f") but has {avail:.1f} GiB ({node.memory_gib:g} GiB less {node.reserved('decode'):g} reserved "
+                      f"for macOS): {need - avail:.1f} GiB over; {LOWER}")
     return b
 
 

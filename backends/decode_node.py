@@ -46,6 +46,13 @@ class DecodeService:
         self.on_finished: Callable[[str, list[int], list], None] | None = None
 
     async def start(self, app: web.Application) -> None:
+        import mlx.core as mx
+
+        # MLX keeps freed buffers for reuse up to its memory limit unless told: bound it (config check counts it)
+        limit = self.settings.decode.mlx_cache_limit_bytes
+        was = mx.set_cache_limit(limit)
+        log.info("MLX cache limit %.2f GiB ([decode] mlx_cache_limit_bytes; MLX's was %.1f GiB)", limit / 2**30,
+                 was / 2**30)
         loop = asyncio.get_running_loop()
         for m in self.models.values():
             await loop.run_in_executor(m.executor, m.load)

@@ -161,7 +161,7 @@ def _decode_memory(ctx: Ctx) -> Check:
     if mem is None:
         return Check("memory", SKIP, "cannot read this machine's free memory")
     free, total = mem
-    parts, unknown = mac_memory.decode_need(ctx.settings, ctx.node, ctx.config, total)
+    parts, unknown = mac_memory.decode_need(ctx.settings, ctx.node, ctx.config)
     need = sum(g for _, g in parts)
     what = f"budget {need:.1f} GiB ({', '.join(f'{w} {g:.1f}' for w, g in parts)})"
     if unknown:

@@ -47,18 +47,14 @@ def wired_limit(sysctl: Callable[[str], str] = _sysctl, platform: str = sys.plat
     return WiredLimit(int(sysctl("iogpu.wired_limit_mb").strip() or 0), int(sysctl("hw.memsize").strip()))
 
 
-def decode_need(settings: Settings, node: NodeConfig, config: Path, total_gib: float | None = None):
+def decode_need(settings: Settings, node: NodeConfig, config: Path):
     """config check's memory budget of one decode node: [(what, GiB)] and the models whose weight size is unknown
-    here. The arithmetic is config_check's (weights_gib, _decode), not repeated."""
-    from backends import config_check
+    here. The arithmetic is decode_budget's (config check's too), not repeated."""
+    from backends.decode_budget import decode_budget
 
-    base = Path(config).resolve().parent
     routes = [m for m in settings.models if node.name in m.decode]
-    sizes = {m.id: config_check.weights_gib(m, "decode", base) for m in routes}
-    known = [(f"{mid} weights", g) for mid, g in sizes.items() if g is not None]
-    sized = node if node.memory_gib else node.model_copy(update={"memory_gib": total_gib or 1e9})
-    budget = config_check._decode(settings, sized, routes, known, [])
-    return budget.memory, [mid for mid, g in sizes.items() if g is None]
+    d = decode_budget(settings, node, routes, Path(config).resolve().parent)
+    return d.items, d.unknown
 
 
 def recommended_mb(total_bytes: int, reserved_gib: float) -> int:
@@ -69,7 +65,7 @@ def recommended_mb(total_bytes: int, reserved_gib: float) -> int:
 def fit(settings: Settings, node: NodeConfig, config: Path, limit: WiredLimit) -> tuple[bool, str]:
     """(fits, one line): the node's budget against the wired limit; when it does not fit, the line names the sysctl
     to set (or, when even that is too little, what to lower)."""
-    parts, unknown = decode_need(settings, node, config, limit.total_bytes / GIB)
+    parts, unknown = decode_need(settings, node, config)
     need = sum(g for _, g in parts)
     what = ", ".join(f"{w} {g:.1f}" for w, g in parts)
     more = f"; weight size of {unknown} unknown (no folder here, no decode_weights_gib)" if unknown else ""
@@ -81,8 +77,9 @@ def fit(settings: Settings, node: NodeConfig, config: Path, limit: WiredLimit) -
         fix = (f"sudo sysctl iogpu.wired_limit_mb={rec} (docker/install-mac.sh installs {DAEMON}, which sets it at "
                f"every boot)")
     else:
-        fix = ("lower [decode] prefix_cache_bytes, [kv] max_inflight_bytes or pool_bytes, or serve fewer models on "
-               f"it: even iogpu.wired_limit_mb={rec} (all but reserved_gib {node.reserved('decode'):g}) is too little")
+        fix = ("lower [decode] prefix_cache_bytes or mlx_cache_limit_bytes, [kv] max_inflight_bytes or pool_bytes, or "
+               f"serve fewer models on it: even iogpu.wired_limit_mb={rec} (all but reserved_gib "
+               f"{node.reserved('decode'):g}) is too little")
     return False, f"{line}; fix: {fix}"
 
 

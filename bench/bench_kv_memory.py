@@ -26,7 +26,7 @@ from kv_bridge.receiver import KVReceiver  # noqa: E402
 from kv_bridge.sender import KVSender  # noqa: E402
 
 GIB = 2**30
-SITE_INFLIGHT = 6710886400  # examples/site.toml [kv] max_inflight_bytes
+SITE_INFLIGHT = 6710886400  # examples/site.toml's [kv] max_inflight_bytes when docs/kv_bridge.md's table was measured
 PROMPT = 25_000
 GEOMETRY = {"qwen3-coder:30b": (48, 4, 128), "gpt-oss:120b": (36, 8, 64)}  # layers, KV heads, head_dim
 # (wire, held): the old receive path held every wire as float32; the site's wire is fp8 (examples/site.toml)

@@ -189,6 +189,9 @@ class DecodeConfig(BaseModel):
     prefix_cache_bytes: int = Field(
         default=1 << 30, ge=0, description="finished conversations' KV kept for reuse (mlx-lm LRUPromptCache), so a "
         "follow-up turn moves only the KV the node lacks; 0 turns prefix reuse off")
+    mlx_cache_limit_bytes: int = Field(
+        default=1 << 30, ge=0, description="MLX's buffer cache (mx.set_cache_limit, set at decode start): freed "
+        "buffers kept for reuse, so steps do not allocate anew; MLX's own default is all its memory limit")
     max_batch_size: int = Field(default=32, ge=1, description="most generations one model decodes in a batch; "
                                 "more wait their turn (mlx-lm BatchGenerator completion_batch_size)")
 

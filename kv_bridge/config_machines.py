@@ -9,8 +9,8 @@ from pydantic import BaseModel, Field
 # What the OS and everything beside the role keep, when a node does not say (reserved_gib):
 # - prefill (DGX Spark, GB10): vLLM's start-up check compares gpu_memory_utilization x total with the memory free
 #   at start; on a 128 GB GB10 that is about 102 GiB at most (the page cache and the OS count as used).
-# - decode (Mac Studio): macOS, its file cache and the node's Python; Metal's wired limit must be raised to the
-#   rest (docker/install-mac.sh prints the sysctl).
+# - decode (Mac Studio): macOS and its file cache (the node's process and a logged-in session are budgeted apart:
+#   backends/decode_budget.py); Metal's wired limit must be raised to the rest (docker/install-mac.sh sets it).
 DEFAULT_RESERVED_GIB = {"prefill": 26.0, "decode": 8.0}
 
 
