@@ -8,55 +8,13 @@ host in backends/doctor_host.py. Nothing here starts an engine.
 from __future__ import annotations
 
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from backends import doctor_host as host
 from kv_bridge.config import ConfigError, NodeConfig, Settings, is_loopback, resolve_model_path
 
-PASS, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
-GIB = 2**30
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
-    def line(self) -> str:
-        return f"{self.status:<4}  {self.name}: {self.detail}" + (f"; fix: {self.fix}" if self.fix else "")
-
-
-@dataclass
-class Ctx:
-    """One doctor run: the config, the node (None: the gateway box), and every /health that answered."""
-
-    settings: Settings
-    config: Path
-    node: NodeConfig | None
-    answers: dict  # name ("gateway" or a node's) -> host.Answer | None
-
-    @property
-    def role(self) -> str:
-        return self.node.role if self.node else "gateway"
-
-    @property
-    def base(self) -> Path:
-        return self.config.resolve().parent
-
-    @property
-    def running(self) -> bool:
-        a = self.answers.get(self.node.name if self.node else "gateway")
-        return a is not None and a.status == 200
-
-    def models(self):
-        if self.node is None:
-            return list(self.settings.models)
-        return [m for m in self.settings.models if self.node.name in getattr(m, self.role)]
+from backends.doctor_checks import FAIL, GIB, PASS, SKIP, WARN, Check, Ctx, check_packages, check_python  # noqa: F401
 
 
 def gateway_url(s: Settings) -> str:
@@ -83,56 +41,7 @@ def probe_all(s: Settings, timeout: float) -> dict:
         return {k: f.result() for k, f in futures.items()}
 
 
-# ---- checks every role runs ----
-
-def check_python() -> Check:
-    v = ".".join(map(str, sys.version_info[:3]))
-    if sys.version_info >= (3, 11):
-        return Check("python", PASS, f"{v} at {sys.executable} (3.11+ needed)")
-    return Check("python", FAIL, f"{v} at {sys.executable}; the project needs 3.11+",
-                 "brew install python@3.12 and rerun docker/install-mac.sh (macOS's python3 is 3.9); on Linux use "
-                 "the images")
-
-
-def _requirements(extra: str) -> list:
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    try:
-        reqs = metadata.requires("disagg") or []
-    except metadata.PackageNotFoundError:
-        import tomllib
-
-        proj = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-        reqs = proj["dependencies"] + [f"{r}; extra == '{extra}'" for r in proj["optional-dependencies"][extra]]
-    out = []
-    for r in map(Requirement, reqs):
-        if r.marker is None or r.marker.evaluate({"extra": extra}):
-            out.append(r)
-    return out
-
-
-def check_packages(extra: str) -> Check:
-    """The role's extra (and the base dependencies) installed at versions pyproject.toml accepts."""
-    from importlib import metadata
-
-    bad, have = [], []
-    for r in _requirements(extra):
-        try:
-            v = metadata.version(r.name)
-        except metadata.PackageNotFoundError:
-            bad.append(f"{r.name} missing")
-            continue
-        if r.specifier and not r.specifier.contains(v, prereleases=True):
-            bad.append(f"{r.name} {v} is not {r.specifier}")
-        have.append(f"{r.name} {v}")
-    name = f"packages [{extra}]"
-    if bad:
-        fix = "rerun docker/install-mac.sh" if extra == "decode" else f"pip install -e '.[{extra}]' (or the image)"
-        return Check(name, FAIL, "; ".join(bad), fix)
-    return Check(name, PASS, ", ".join(have))
-
+# ---- model folders, secrets, ports, clock, other nodes ----
 
 def check_models(ctx: Ctx) -> list[Check]:
     from backends import checkpoints

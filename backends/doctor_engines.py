@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from backends import doctor_host as host
-from backends.doctor import FAIL, PASS, SKIP, WARN, Check, Ctx, check_packages
+from backends.doctor_checks import FAIL, PASS, SKIP, WARN, Check, Ctx, check_packages
 from kv_bridge.config import is_loopback, resolve_model_path
 
 DROP_CACHES = "sync; echo 3 | sudo tee /proc/sys/vm/drop_caches"  # the page cache of a big download counts as used
