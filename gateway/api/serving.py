@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -16,7 +16,7 @@ from kv_bridge.config import ModelRoute, Settings
 from kv_bridge.protocol import Sampling
 
 from gateway.api import relay
-from gateway.errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
+from gateway.errors import APIError, ClientDisconnected, ModelNotFound, status_class
 from gateway.metrics import Metrics, RequestRecord
 from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
@@ -24,7 +24,7 @@ from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
 from gateway.text.reasoning import gate_grammar, parser_name
 from gateway.api.relay import Framing
 from gateway.api.openai.render import TokenPieces
-from gateway.api.openai.protocol import GenerationRequest, parse_json
+from gateway.api.openai.protocol import GenerationRequest
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.cluster.upstream import Prompt
 
@@ -81,14 +81,6 @@ def endpoint(work: Work) -> Callable[[web.Request], Awaitable[web.StreamResponse
             rec.finish(status)  # a no-op when the stream already recorded its own outcome
 
     return handler
-
-
-async def read_body(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise InvalidRequest("request body is too large", status=413, code="request_too_large") from None
-    return parse_json(raw)
 
 
 def sampling_for(req: GenerationRequest, max_tokens: int, logprobs: int | None) -> Sampling:

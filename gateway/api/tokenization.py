@@ -8,18 +8,18 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from gateway.errors import InvalidRequest
 from gateway.text.history import template_messages
-from gateway.api.openai.protocol import Message, parse_model
-from gateway.api.serving import STATE, GatewayState, read_body
+from gateway.api.openai.protocol import Message
+from gateway.api.protocol import APIModel, parse, read_body
+from gateway.api.serving import STATE, GatewayState
 from gateway.text.tokenizer import ChatTokenizer
 from kv_bridge.config import ModelRoute
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Body(APIModel):
     model: str | None = None  # vLLM serves one model; here it may be left out when the gateway serves one
     return_token_strs: bool | None = False
 
@@ -39,8 +39,7 @@ class TokenizeChat(_Body):
     tools: list[dict[str, Any]] | None = None
 
 
-class Detokenize(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Detokenize(APIModel):
     model: str | None = None
     tokens: list[int]
 
@@ -83,7 +82,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    req = parse_model(TokenizeChat if "messages" in body else TokenizeCompletion, body)
+    req = parse(TokenizeChat if "messages" in body else TokenizeCompletion, body)
     route = _route(st, req.model)
     tok = st.tokenizers[route.id]
     fn = _chat_ids if isinstance(req, TokenizeChat) else _prompt_ids
@@ -96,7 +95,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    req = parse_model(Detokenize, await read_body(request))
+    req = parse(Detokenize, await read_body(request))
     route = _route(st, req.model)
     tok = st.tokenizers[route.id]
     bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]

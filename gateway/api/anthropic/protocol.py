@@ -6,35 +6,32 @@ tool_choice their chat forms, `stop_sequences` the stop strings."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from gateway.api.chat_job import EXTRA_SAMPLING
+from gateway.api.protocol import APIModel, Temperature, TopK, TopP
 from gateway.errors import InvalidRequest
 from gateway.api.openai.protocol import ChatRequest, parse_chat_request
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class InputMessage(_Model):
+class InputMessage(APIModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
-class Thinking(_Model):
+class Thinking(APIModel):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
 
 
-class OutputFormat(_Model):
+class OutputFormat(APIModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Model):
+class OutputConfig(APIModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
@@ -43,7 +40,7 @@ class OutputConfig(_Model):
         return {"xhigh": "high", "max": "high"}.get(self.effort or "", self.effort)
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(APIModel):
     model: str = Field(min_length=1)
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -62,21 +59,10 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool | None = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    temperature: Annotated[Temperature, Field(le=1.0)] | None = None  # Anthropic's range
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     metadata: dict[str, Any] | None = None
-
-
-def parse(model: type[CountTokensRequest], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"] if p not in ("str", "list[dict[str,any]]")) or "body"
-        raise InvalidRequest(f"{where}: {err['msg']}", param=where) from None
 
 
 # Claude Code's attribution line opens its system prompt with a per-request hash: dropped (as vLLM does), or no
@@ -90,12 +76,12 @@ def _text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}: content must be a string or a list of blocks")
+        raise InvalidRequest(f"{where}: content must be a string or a list of blocks", param=where)
     parts = []
     for i, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text":
             kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-            raise InvalidRequest(f"{where}[{i}]: only text blocks are supported here, not {kind!r}")
+            raise InvalidRequest(f"{where}[{i}]: only text blocks are supported here, not {kind!r}", param=where)
         parts.append(str(b.get("text", "")))
     return "".join(parts)
 
@@ -123,7 +109,7 @@ def _user(msg: InputMessage, where: str) -> list[dict]:
             text.append(str(b.get("text", "")))
         else:
             raise InvalidRequest(f"{where}.content[{i}]: {kind!r} blocks are not supported (text and tool_result "
-                                 f"are)")
+                                 f"are)", param=f"{where}.content")
     return out + ([{"role": "user", "content": "".join(text)}] if text else [])
 
 
@@ -140,7 +126,8 @@ def _assistant(msg: InputMessage, where: str) -> dict:
             calls.append({"id": b.get("id"), "type": "function",
                           "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
         elif kind not in ("thinking", "redacted_thinking"):
-            raise InvalidRequest(f"{where}.content[{i}]: {kind!r} blocks are not supported in assistant turns")
+            raise InvalidRequest(f"{where}.content[{i}]: {kind!r} blocks are not supported in assistant turns",
+                                 param=f"{where}.content")
     out: dict = {"role": "assistant", "content": "".join(text) or None}
     return {**out, "tool_calls": calls} if calls else out
 
@@ -151,7 +138,7 @@ def chat_messages(req: CountTokensRequest, inline_system: bool = True) -> list[d
     system = [_system_text(req.system, "system")] if req.system else []
     out: list[dict] = []
     for i, m in enumerate(req.messages):
-        where = f"messages.{i}"
+        where = f"messages[{i}]"
         if m.role == "system":
             text = _system_text(m.content, f"{where}.content")
             if text and inline_system:
@@ -171,8 +158,8 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     out = []
     for i, t in enumerate(tools):
         if t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
-            raise InvalidRequest(f"tools.{i}: only custom tools with a name and input_schema are supported, not "
-                                 f"{t.get('type')!r}")
+            raise InvalidRequest(f"tools[{i}]: only custom tools with a name and input_schema are supported, not "
+                                 f"{t.get('type')!r}", param=f"tools[{i}]")
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -190,7 +177,7 @@ def chat_tool_choice(choice: dict | None) -> str | dict | None:
         return "required"
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise InvalidRequest(f"tool_choice.type must be auto, any, tool or none, not {kind!r}")
+    raise InvalidRequest(f"tool_choice.type must be auto, any, tool or none, not {kind!r}", param="tool_choice.type")
 
 
 def chat_request(req: CountTokensRequest, inline_system: bool = True) -> ChatRequest:

@@ -9,11 +9,12 @@ from gateway.api.blocks import Blocks
 from gateway.api.chat_job import encode, prepare
 from gateway.auth import APIKeys
 from gateway.metrics import RequestRecord
-from gateway.api.serving import STATE, GatewayState, endpoint, read_body, run
+from gateway.api.protocol import parse, read_body
+from gateway.api.serving import STATE, GatewayState, endpoint, run
 
 from gateway.api.anthropic import errors
 from gateway.api.anthropic.framing import AnthropicFraming
-from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request, parse
+from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request
 
 
 def _chat(st: GatewayState, req: CountTokensRequest):

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import DoneLine as Done
 from kv_bridge.protocol import Sampling, json_grammar
 
-from gateway.api.openai.chat import GatewayState
+from gateway.api.protocol import APIModel, MinP, Penalty, RepetitionPenalty, Temperature, parse, read_body
+from gateway.api.serving import GatewayState
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from gateway.text.history import template_messages
 from gateway.text.output import OutputParser, tool_parser_name
@@ -34,32 +34,30 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(Sampling)}
 _ZERO_DURATION = re.compile(r"0+(\.0*)?(ns|us|µs|ms|s|m|h)?")
 
 
-class Options(BaseModel):
-    """The runtime options we map; load-time and llama.cpp-only options (num_gpu, mirostat, ...) are ignored."""
+class Options(APIModel):
+    """The runtime options we map; load-time and llama.cpp-only options (num_gpu, mirostat, ...) are ignored.
+    Ollama's own ranges where they are wider: top_p 0 is greedy, top_k <= 0 off, any number of stop strings."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     num_predict: int | None = None  # <= 0: until the context is full, as in Ollama
     num_ctx: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_k: int | None = None  # <= 0: off
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_p: MinP | None = None
     seed: int | None = None  # < 0: random, as in Ollama
     stop: str | list[str] | None = None
-    repeat_penalty: float | None = Field(default=None, gt=0.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repeat_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(APIModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     images: list[Any] | None = None
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Body(APIModel):
     model: str = Field(min_length=1)
     stream: bool | None = None  # absent or null: stream
     format: str | dict | None = None
@@ -81,9 +79,6 @@ class GenerateBody(_Body):
 class ChatBody(_Body):
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None
-
-
-_FIELDS = set().union(*(m.model_fields for m in (Options, ChatMessage, GenerateBody, ChatBody)))
 
 
 @dataclass
@@ -141,41 +136,6 @@ def find_route(st: GatewayState, name: str) -> ModelRoute:
 
 def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-async def read_json(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise InvalidRequest("request body is too large", status=413) from None
-    if not raw.strip():
-        raise InvalidRequest("missing request body")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"invalid JSON in request body: {e}") from None
-    except RecursionError:  # deeper nesting than the parser's stack: no valid request is that deep
-        raise InvalidRequest("invalid JSON in request body: nested too deeply") from None
-
-
-def _validate(cls: type[_Body], body: Any) -> _Body:
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ""
-        for part in err["loc"]:  # ('options', 'stop', 'list[str]', 0): stop at pydantic's union-member tags
-            if isinstance(part, int):
-                where += f"[{part}]"
-            elif part in _FIELDS:
-                where += f".{part}" if where else part
-            else:
-                break
-        if where == "model":
-            raise InvalidRequest("model is required") from None
-        raise InvalidRequest(f"invalid {where or 'request'}: {err['msg']}") from None
 
 
 def _refuse_unsupported(body: _Body, name: str, images: bool) -> None:
@@ -264,7 +224,7 @@ async def _encode(fn, *args) -> list[int]:
 
 
 async def parse_generate(request: web.Request, st: GatewayState, vocab_sizes: dict[str, int]) -> Job:
-    body = _validate(GenerateBody, await read_json(request))
+    body = parse(GenerateBody, await read_body(request))
     route = find_route(st, body.model)
     _refuse_unsupported(body, body.model, bool(body.images))
     if body.suffix:
@@ -301,7 +261,7 @@ def _check_context(ids: list[int], vocab: int | None) -> list[int]:
 
 
 async def parse_chat(request: web.Request, st: GatewayState) -> Job:
-    body = _validate(ChatBody, await read_json(request))
+    body = parse(ChatBody, await read_body(request))
     route = find_route(st, body.model)
     _refuse_unsupported(body, body.model, any(m.images for m in body.messages or []))
     tok = st.tokenizers[route.id]

@@ -23,7 +23,8 @@ from gateway.api import boundary
 from gateway.auth import APIKeys
 from gateway.errors import APIError, InvalidRequest, NoHealthyNode
 from gateway.metrics import RequestRecord
-from gateway.api.ollama.protocol import Clock, Job, chunk, final, find_route, parse_chat, parse_generate, read_json
+from gateway.api.ollama.protocol import Clock, Job, chunk, final, find_route, parse_chat, parse_generate
+from gateway.api.protocol import read_body
 from gateway.text.reasoning import parser_name
 from gateway.api.relay import Framing, ndjson
 from gateway.api.serving import STATE, GatewayState, endpoint, run
@@ -176,7 +177,7 @@ async def ps(request: web.Request) -> web.Response:
 
 
 async def show(request: web.Request) -> web.Response:
-    body = await read_json(request)
+    body = await read_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     name = body.get("model") or body.get("name")  # "name": the field's pre-0.1 spelling, still accepted

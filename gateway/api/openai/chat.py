@@ -9,7 +9,8 @@ from aiohttp import web
 from gateway.api.chat_job import prepare
 from gateway.api.openai.protocol import parse_chat_request
 from gateway.api.openai.render import ChatRenderer, OpenAIFraming
-from gateway.api.serving import STATE, GatewayState, endpoint, read_body, run
+from gateway.api.protocol import read_body
+from gateway.api.serving import STATE, GatewayState, endpoint, run
 from gateway.metrics import RequestRecord
 
 __all__ = ["STATE", "GatewayState", "chat_completions"]

@@ -12,7 +12,8 @@ from aiohttp import web
 from gateway.metrics import RequestRecord
 from gateway.api.openai.render import CompletionRenderer, OpenAIFraming
 from gateway.api.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, parse_completion_request, resolve_max_tokens
-from gateway.api.serving import GatewayState, endpoint, read_body, run, sampling_for
+from gateway.api.protocol import read_body
+from gateway.api.serving import GatewayState, endpoint, run, sampling_for
 from gateway.cluster.upstream import Prompt, UpstreamInput
 
 

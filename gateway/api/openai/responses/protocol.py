@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from gateway.api.chat_job import EXTRA_SAMPLING
+from gateway.api.protocol import APIModel, TopP, parse
 from gateway.errors import InvalidRequest
-from gateway.api.openai.protocol import ChatRequest, parse_chat_request
+from gateway.api.openai.protocol import ChatRequest, OpenAITemperature, parse_chat_request
 
 log = logging.getLogger("gateway.api.serving")
 
@@ -23,32 +24,28 @@ NAMESPACE_SEP = "__"
 _EFFORT = {"minimal": "low", "none": "low"}
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Reasoning(_Model):
+class Reasoning(APIModel):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
-class TextFormat(_Model):
+class TextFormat(APIModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class TextConfig(_Model):
+class TextConfig(APIModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(APIModel):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: OpenAITemperature | None = None
+    top_p: TopP | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -65,14 +62,7 @@ class ResponsesRequest(_Model):
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return ResponsesRequest.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if p not in ("str", "list[dict[str,any]]")) or None
-        raise InvalidRequest(f"{param or 'body'}: {err['msg']}", param=param) from None
+    return parse(ResponsesRequest, body)
 
 
 def _text(content: Any, param: str) -> str:

@@ -8,7 +8,8 @@ from aiohttp import web
 from gateway.api.blocks import Blocks
 from gateway.api.chat_job import prepare
 from gateway.metrics import RequestRecord
-from gateway.api.serving import GatewayState, endpoint, read_body, run
+from gateway.api.protocol import read_body
+from gateway.api.serving import GatewayState, endpoint, run
 
 from gateway.api.openai.responses.framing import ResponsesFraming
 from gateway.api.openai.responses.protocol import chat_request, input_messages, parse_responses_request
