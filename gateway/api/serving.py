@@ -1,4 +1,4 @@
-"""What the API handlers share: the gateway state, the per-request metrics wrapper, OpenAI sampling, and `run`:
+"""What the API handlers share: the gateway state, the per-request metrics wrapper, and `run`:
 n choices of one prompt through the orchestrator, answered by gateway.api.relay in the API's framing.
 """
 
@@ -24,7 +24,6 @@ from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
 from gateway.text.reasoning import gate_grammar, parser_name
 from gateway.api.relay import Framing
 from gateway.api.openai.render import TokenPieces
-from gateway.api.openai.protocol import GenerationRequest
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.cluster.upstream import Prompt
 
@@ -81,20 +80,6 @@ def endpoint(work: Work) -> Callable[[web.Request], Awaitable[web.StreamResponse
             rec.finish(status)  # a no-op when the stream already recorded its own outcome
 
     return handler
-
-
-def sampling_for(req: GenerationRequest, max_tokens: int, logprobs: int | None) -> Sampling:
-    """The decode node's sampling for a validated request; OpenAI's defaults where a field is absent."""
-    def pick(value, default):
-        return default if value is None else value
-
-    return Sampling(
-        max_tokens=max_tokens, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), seed=req.seed,
-        stop=req.stop_list(), top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
-        presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
-        repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
-        logprobs=logprobs,
-    )
 
 
 async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route: ModelRoute, prompt: Prompt,

@@ -23,8 +23,9 @@ from gateway.api import boundary
 from gateway.auth import APIKeys
 from gateway.errors import APIError, InvalidRequest, NoHealthyNode
 from gateway.metrics import RequestRecord
-from gateway.api.ollama.protocol import Clock, Job, chunk, final, find_route, parse_chat, parse_generate
-from gateway.api.protocol import read_body
+from gateway.api.ollama.protocol import ChatBody, Clock, GenerateBody, Job, chunk, final, find_route
+from gateway.api.ollama.translate import chat_job, generate_job
+from gateway.api.protocol import parse, read_body
 from gateway.text.reasoning import parser_name
 from gateway.api.relay import Framing, ndjson
 from gateway.api.serving import STATE, GatewayState, endpoint, run
@@ -214,12 +215,13 @@ def capabilities(st: GatewayState, route: ModelRoute) -> list[str]:
 # ---- generation: POST /api/generate and /api/chat ----
 
 async def _generate(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
-    vocab = {mid: c.vocab_size for mid, c in request.app[CARDS].items()}
-    return await _serve(request, st, rec, await parse_generate(request, st, vocab))
+    body = parse(GenerateBody, await read_body(request))
+    vocab = request.app[CARDS][find_route(st, body.model).id].vocab_size
+    return await _serve(request, st, rec, await generate_job(st, body, vocab))
 
 
 async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
-    return await _serve(request, st, rec, await parse_chat(request, st))
+    return await _serve(request, st, rec, await chat_job(st, parse(ChatBody, await read_body(request))))
 
 
 async def _serve(request: web.Request, st: GatewayState, rec: RequestRecord, job: Job) -> web.StreamResponse:

@@ -14,7 +14,7 @@ from kv_bridge.protocol import json_grammar
 
 from gateway.api.protocol import (MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, APIModel, MinP, Penalty,
                                   RepetitionPenalty, Temperature, TopK, TopP, parse)
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.errors import InvalidRequest
 from gateway.text.history import template_messages
 from gateway.text.toolcalls.forced import allowed_tools
 
@@ -169,8 +169,9 @@ class ChatRequest(GenerationRequest):
         return template_messages([m.model_dump(exclude_none=False) for m in self.messages])
 
     def client_messages(self) -> list[dict]:
-        """The messages as the client sent them, for an upstream server (which takes OpenAI's own shape)."""
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        """The messages as the client sent them, for an upstream server (which takes OpenAI's own shape: Ollama's
+        thinking and tool_name are ours to render, not its)."""
+        return [m.model_dump(exclude_none=True, exclude={"thinking", "tool_name"}) for m in self.messages]
 
     def effort(self) -> tuple[str | None, bool | None]:
         """(reasoning effort, thinking switch) for gateway.text.reasoning.template_kwargs. vLLM's "none" switches
@@ -217,28 +218,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     return parse(CompletionRequest, body)
-
-
-def resolve_max_tokens(req: GenerationRequest, prompt_tokens: int, max_model_len: int, *,
-                       default: int | None = None, param: str = "messages") -> int:
-    """The generation budget; a request that cannot fit the model's context is refused before any work. Without
-    max_tokens a chat request may fill the context, as vLLM allows: SDKs and curl omit it, and a reasoning model
-    needs the room. `default`: the legacy completions API's own default instead, shrunk to what fits."""
-    requested = req.max_completion_tokens or req.max_tokens
-    if requested is None:
-        room = max_model_len - prompt_tokens
-        if room >= 1:
-            return room if default is None else min(default, room)
-        requested = default or 1
-    if prompt_tokens + requested > max_model_len:
-        where = "the messages" if param == "messages" else "the prompt"
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + requested} tokens ({prompt_tokens} in {where}, {requested} in the completion). "
-            f"Please reduce the length of {where} or completion.",
-            param=param,
-        )
-    return requested
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
