@@ -10,10 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from gateway.api.chat_job import EXTRA_SAMPLING
+from gateway.api import translate
 from gateway.api.protocol import APIModel, Temperature, TopK, TopP
+from gateway.api.translate import function_tool, named_function, text_of
 from gateway.errors import InvalidRequest
-from gateway.api.openai.protocol import ChatRequest, parse_chat_request
+from gateway.api.openai.protocol import ChatRequest
 
 
 class InputMessage(APIModel):
@@ -70,28 +71,12 @@ class MessagesRequest(CountTokensRequest):
 _BILLING = "x-anthropic-billing-header"
 
 
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where}: content must be a string or a list of blocks", param=where)
-    parts = []
-    for i, b in enumerate(content):
-        if not isinstance(b, dict) or b.get("type") != "text":
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-            raise InvalidRequest(f"{where}[{i}]: only text blocks are supported here, not {kind!r}", param=where)
-        parts.append(str(b.get("text", "")))
-    return "".join(parts)
-
-
 def _system_text(content: Any, where: str) -> str:
     """A system prompt's text, without Claude Code's billing line."""
     if isinstance(content, str):
         return "" if content.startswith(_BILLING) else content
     blocks = [b for b in content or [] if not (isinstance(b, dict) and str(b.get("text", "")).startswith(_BILLING))]
-    return _text(blocks, where)
+    return text_of(blocks, where)
 
 
 def _user(msg: InputMessage, where: str) -> list[dict]:
@@ -102,7 +87,7 @@ def _user(msg: InputMessage, where: str) -> list[dict]:
     for i, b in enumerate(msg.content):
         kind = b.get("type")
         if kind == "tool_result":
-            body = _text(b.get("content"), f"{where}.content[{i}].content")
+            body = text_of(b.get("content"), f"{where}.content[{i}].content")
             out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                         "content": f"Error: {body}" if b.get("is_error") else body})
         elif kind == "text":
@@ -160,10 +145,8 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
         if t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
             raise InvalidRequest(f"tools[{i}]: only custom tools with a name and input_schema are supported, not "
                                  f"{t.get('type')!r}", param=f"tools[{i}]")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(t["name"], parameters=t.get("input_schema") or {"type": "object", "properties": {}},
+                                  description=t.get("description") or None))
     return out
 
 
@@ -176,7 +159,7 @@ def chat_tool_choice(choice: dict | None) -> str | dict | None:
     if kind == "any":
         return "required"
     if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        return named_function(choice.get("name"))
     raise InvalidRequest(f"tool_choice.type must be auto, any, tool or none, not {kind!r}", param="tool_choice.type")
 
 
@@ -189,8 +172,8 @@ def chat_request(req: CountTokensRequest, inline_system: bool = True) -> ChatReq
         if out.format is not None:  # structured output: the decode node masks by the schema's grammar
             body["response_format"] = {"type": "json_schema", "json_schema": {"schema": out.format.schema_,
                                                                               "strict": True}}
-    if isinstance(req, MessagesRequest):
-        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k)
-        body.update({k: v for k, v in (req.model_extra or {}).items() if k in EXTRA_SAMPLING and k != "stop"})
-    return parse_chat_request({k: v for k, v in body.items() if v is not None})
+    if not isinstance(req, MessagesRequest):
+        return translate.chat_request(body, None)
+    body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k)
+    return translate.chat_request(body, req.model_extra)  # `stop` is stop_sequences, never an extra

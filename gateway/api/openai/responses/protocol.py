@@ -10,10 +10,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from gateway.api.chat_job import EXTRA_SAMPLING
+from gateway.api import translate
 from gateway.api.protocol import APIModel, TopP, parse
+from gateway.api.translate import function_tool, named_function, text_of
 from gateway.errors import InvalidRequest
-from gateway.api.openai.protocol import ChatRequest, OpenAITemperature, parse_chat_request
+from gateway.api.openai.protocol import ChatRequest, OpenAITemperature
 
 log = logging.getLogger("gateway.api.serving")
 
@@ -65,19 +66,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     return parse(ResponsesRequest, body)
 
 
-def _text(content: Any, param: str) -> str:
-    """A message's content (a string, or text parts) as one string; other part types are refused."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{param} must be a string or a list of content parts", param=param)
-    out = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            raise InvalidRequest(f"{param}[{i}]: only text content is supported, not {kind!r}", param=param)
-        out.append(str(part.get("text", "")))
-    return "".join(out)
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
@@ -94,7 +83,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 raise InvalidRequest(f"{param}.role must be user, assistant, system or developer", param=param)
             # Chat templates know system, not developer; the Responses API treats them alike.
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content", ""), f"{param}.content")})
+                        "content": text_of(item.get("content", ""), f"{param}.content", _TEXT_PARTS)})
         elif kind == "function_call":
             name = item.get("name")
             if item.get("namespace"):  # the flat name the model was shown
@@ -108,7 +97,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text(output, f"{param}.output")})
+                        "content": text_of(output, f"{param}.output", _TEXT_PARTS)})
         elif kind != "reasoning":
             raise InvalidRequest(f"{param}: input items of type {kind!r} are not supported", param=param)
     return out
@@ -117,8 +106,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
 def _function(t: dict, name: str, param: str) -> dict:
     if not isinstance(t.get("name"), str) or not t["name"]:
         raise InvalidRequest(f"{param}: a function tool needs a name", param=param)
-    fn = {k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}
-    return {"type": "function", "function": {"name": name, **fn}}
+    return function_tool(name, description=t.get("description"), parameters=t.get("parameters"),
+                         strict=t.get("strict"))
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -157,7 +146,7 @@ def namespaced_names(tools: list[dict] | None) -> dict[str, tuple[str, str]]:
 
 def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        return named_function(choice.get("name"))
     return choice
 
 
@@ -182,5 +171,4 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
             "tool_choice": chat_tool_choice(req.tool_choice), "max_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "response_format": _response_format(req.text),
             "reasoning_effort": req.effort()}
-    body.update({k: v for k, v in (req.model_extra or {}).items() if k in EXTRA_SAMPLING})
-    return parse_chat_request({k: v for k, v in body.items() if v is not None})
+    return translate.chat_request(body, req.model_extra)
