@@ -23,7 +23,7 @@ from gateway.cluster.nodes import NodePool
 from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
 from gateway.text.reasoning import gate_grammar, parser_name
 from gateway.api.relay import Framing
-from gateway.api.openai.render import TokenPieces
+from gateway.api.openai.framing import TokenPieces
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.cluster.upstream import Prompt
 

@@ -1,5 +1,5 @@
 """POST /v1/messages and /v1/messages/count_tokens: translate, run through the chat path's orchestrator and relay,
-answer as an Anthropic `message` (gateway.api.anthropic.framing); `api_app` is the sub-app at /v1/messages."""
+answer as an Anthropic `message` (gateway.api.anthropic.framing)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ from aiohttp import web
 
 from gateway.api.blocks import Blocks
 from gateway.api.chat_job import encode, prepare
-from gateway.auth import APIKeys
 from gateway.metrics import RequestRecord
 from gateway.api.protocol import parse, read_body
 from gateway.api.serving import STATE, GatewayState, endpoint, run
 
-from gateway.api.anthropic import errors
 from gateway.api.anthropic.framing import AnthropicFraming
-from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request
+from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic.translate import chat_request
 
 
 def _chat(st: GatewayState, req: CountTokensRequest):
@@ -43,12 +42,3 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = parse(CountTokensRequest, await read_body(request))
     _, ids = await encode(st, _chat(st, req), req.think())
     return web.json_response({"input_tokens": len(ids)})
-
-
-def api_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
-    """The Messages API, mounted at /v1/messages, with Anthropic's error shape and key headers."""
-    app = web.Application(middlewares=errors.middlewares(keys))
-    app[STATE] = st
-    app.router.add_post("", messages)
-    app.router.add_post("/count_tokens", count_tokens)
-    return app

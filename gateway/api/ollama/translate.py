@@ -8,18 +8,33 @@ import re
 from typing import Any
 
 from gateway.api.chat_job import Budget, ChatJob, prepare, prepare_text, reasoning_of
-from gateway.api.ollama.protocol import ChatBody, ChatMessage, GenerateBody, Job, Options, _Body, find_route
+from gateway.api.ollama.protocol import ChatBody, ChatMessage, GenerateBody, Job, Options, _Body
 from gateway.api.openai.protocol import ChatRequest, CompletionRequest
 from gateway.api.protocol import parse
 from gateway.api.serving import GatewayState
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from gateway.text.output import OutputParser
+from kv_bridge.config import ModelRoute
 
 # Ollama's documented defaults. Its repeat_penalty default (1.1) is not applied unless asked for: it would make
 # greedy answers differ from the OpenAI path and from vLLM's and MLX's own generation.
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_TOP_K = 0.8, 0.9, 40
 _ZERO_DURATION = re.compile(r"0+(\.0*)?(ns|us|µs|ms|s|m|h)?")
 _HISTORY_FIELDS = ("thinking", "tool_calls", "tool_name")  # Ollama's message fields a template reads
+
+
+def find_route(st: GatewayState, name: str) -> ModelRoute:
+    """Ollama names: `smollm2` and `smollm2:latest` are the same model."""
+    candidates = [name]
+    if ":" not in name.rsplit("/", 1)[-1]:
+        candidates.append(f"{name}:latest")
+    elif name.endswith(":latest"):
+        candidates.append(name[: -len(":latest")])
+    for candidate in candidates:
+        route = st.settings.route(candidate)
+        if route is not None:
+            return route
+    raise ModelNotFound(f"model '{name}' not found", param="model")
 
 
 class OllamaBudget(Budget):

@@ -1,7 +1,7 @@
 """OpenAI request validation (pydantic) for /v1/chat/completions and /v1/completions.
 
 Shape and range errors come from pydantic; `check()` adds the cross-field rules. Both become a 400 whose
-`param` names the field. Response shapes live in gateway.api.openai.render.
+`param` names the field. Response shapes live in gateway.api.openai.framing.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from kv_bridge.protocol import DoneLine
 from gateway.api.blocks import Block, BlockFraming, Blocks, Event
 from gateway.errors import APIError
 
-from gateway.api.openai.responses.protocol import ResponsesRequest, namespaced_names
+from gateway.api.openai.responses.protocol import ResponsesRequest
+from gateway.api.openai.responses.translate import namespaced_names
 from gateway.api.openai.responses.store import ResponseStore
 
 _PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}

@@ -12,8 +12,9 @@ from gateway.api.protocol import read_body
 from gateway.api.serving import GatewayState, endpoint, run
 
 from gateway.api.openai.responses.framing import ResponsesFraming
-from gateway.api.openai.responses.protocol import chat_request, input_messages, parse_responses_request
-from gateway.api.openai.responses.store import STORE, ResponseStore
+from gateway.api.openai.responses.protocol import parse_responses_request
+from gateway.api.openai.responses.store import STORE
+from gateway.api.openai.responses.translate import chat_request, input_messages
 
 
 async def _create(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
@@ -34,10 +35,3 @@ create_response = endpoint(_create)
 async def get_response(request: web.Request) -> web.Response:
     """A stored response, as `responses.retrieve` reads it."""
     return web.json_response(request.app[STORE].get(request.match_info["response_id"], "response_id").response)
-
-
-def add_routes(app: web.Application, store: ResponseStore | None = None) -> None:
-    """The Responses API's routes on the OpenAI app (mounted at /v1), with its store."""
-    app[STORE] = store or ResponseStore()
-    app.router.add_post("/responses", create_response)
-    app.router.add_get("/responses/{response_id}", get_response)
