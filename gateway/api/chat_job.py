@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
+from typing import Callable
+
+from aiohttp import web
 
 from kv_bridge.config import ModelRoute
 from kv_bridge.protocol import Sampling
@@ -14,7 +17,9 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.text.output import tool_parser_name
 from gateway.text.reasoning import parser_name, template_kwargs
 from gateway.api.openai.protocol import ChatRequest, CompletionRequest, GenerationRequest
-from gateway.api.serving import GatewayState
+from gateway.api.relay import Framing
+from gateway.api.serving import GatewayState, run
+from gateway.metrics import RequestRecord
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.text.toolcalls.forced import forced_call_grammar
 from gateway.cluster.upstream import Prompt, UpstreamInput
@@ -132,6 +137,16 @@ async def prepare(st: GatewayState, req: ChatRequest, think: bool | str | None =
             raise InvalidRequest(str(e), param="tool_choice") from None
     sampling = replace(sampling_for(req, max_tokens, req.top_alternatives()), grammar=grammar)
     return ChatJob(route, tok, Prompt(ids, inp), sampling, reasoning, tools)
+
+
+async def serve_chat(request: web.Request, st: GatewayState, rec: RequestRecord, req: ChatRequest,
+                     framing: Callable[[ChatJob], Framing], *, stream: bool, n: int = 1,
+                     think: bool | str | None = None) -> web.StreamResponse:
+    """The rest of a chat handler, for every API that answers what it asked at once: the request counted under its
+    model, prepared, run, and answered in the `framing` made for its job."""
+    rec.model = st.route(req.model).id
+    job = await prepare(st, req, think)
+    return await run(request, st, rec, job.route, job.prompt, job.sampling, n, stream, framing(job))
 
 
 async def prepare_text(st: GatewayState, req: CompletionRequest, budget: Budget,

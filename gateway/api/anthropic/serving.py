@@ -6,10 +6,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.api.blocks import Blocks
-from gateway.api.chat_job import encode, prepare
+from gateway.api.chat_job import ChatJob, encode, serve_chat
 from gateway.metrics import RequestRecord
 from gateway.api.protocol import parse, read_body
-from gateway.api.serving import STATE, GatewayState, endpoint, run
+from gateway.api.serving import STATE, GatewayState, endpoint
 
 from gateway.api.anthropic.framing import AnthropicFraming
 from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -26,11 +26,12 @@ def _chat(st: GatewayState, req: CountTokensRequest):
 async def _messages(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
     req = parse(MessagesRequest, await read_body(request))
     chat = _chat(st, req)
-    rec.model = st.route(chat.model).id
-    job = await prepare(st, chat, req.think())
-    blocks = Blocks(job.reasoning, job.tools, chat.tools)
-    framing = AnthropicFraming(req.model, blocks, len(job.prompt.ids), chat.stop_list(), job.tok.decode)
-    return await run(request, st, rec, job.route, job.prompt, job.sampling, 1, bool(req.stream), framing)
+
+    def framing(job: ChatJob) -> AnthropicFraming:
+        blocks = Blocks(job.reasoning, job.tools, chat.tools)
+        return AnthropicFraming(req.model, blocks, len(job.prompt.ids), chat.stop_list(), job.tok.decode)
+
+    return await serve_chat(request, st, rec, chat, framing, stream=bool(req.stream), think=req.think())
 
 
 messages = endpoint(_messages)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.api.chat_job import Budget, prepare, prepare_text
+from gateway.api.chat_job import Budget, ChatJob, prepare_text, serve_chat
 from gateway.api.openai.framing import ChatRenderer, CompletionRenderer, OpenAIFraming
 from gateway.api.openai.protocol import DEFAULT_COMPLETION_MAX_TOKENS, parse_chat_request, parse_completion_request
 from gateway.api.protocol import read_body
@@ -18,12 +18,12 @@ COMPLETION = Budget(where="prompt", default=DEFAULT_COMPLETION_MAX_TOKENS)
 
 async def _chat(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
     req = parse_chat_request(await read_body(request))
-    rec.model = st.route(req.model).id
-    job = await prepare(st, req)
-    renderer = ChatRenderer(req.model, st.pieces(job.route.id), req.include_usage(), bool(req.logprobs),
-                            job.reasoning, job.tools, req.tools)
-    return await run(request, st, rec, job.route, job.prompt, job.sampling, req.choices(), bool(req.stream),
-                     OpenAIFraming(renderer))
+
+    def framing(job: ChatJob) -> OpenAIFraming:
+        return OpenAIFraming(ChatRenderer(req.model, st.pieces(job.route.id), req.include_usage(), bool(req.logprobs),
+                                          job.reasoning, job.tools, req.tools))
+
+    return await serve_chat(request, st, rec, req, framing, stream=bool(req.stream), n=req.choices())
 
 
 async def _completions(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.api.blocks import Blocks
-from gateway.api.chat_job import prepare
+from gateway.api.chat_job import ChatJob, serve_chat
 from gateway.metrics import RequestRecord
 from gateway.api.protocol import read_body
-from gateway.api.serving import GatewayState, endpoint, run
+from gateway.api.serving import GatewayState, endpoint
 
 from gateway.api.openai.responses.framing import ResponsesFraming
 from gateway.api.openai.responses.protocol import parse_responses_request
@@ -22,11 +22,12 @@ async def _create(request: web.Request, st: GatewayState, rec: RequestRecord) ->
     store = request.app[STORE]
     history = store.get(req.previous_response_id).messages if req.previous_response_id else []
     chat = chat_request(req, history)
-    rec.model = st.route(chat.model).id
-    job = await prepare(st, chat)
-    blocks = Blocks(job.reasoning, job.tools, chat.tools)
-    framing = ResponsesFraming(req, blocks, history + input_messages(req.input), None if req.store is False else store)
-    return await run(request, st, rec, job.route, job.prompt, job.sampling, 1, bool(req.stream), framing)
+
+    def framing(job: ChatJob) -> ResponsesFraming:
+        return ResponsesFraming(req, Blocks(job.reasoning, job.tools, chat.tools), history + input_messages(req.input),
+                                None if req.store is False else store)
+
+    return await serve_chat(request, st, rec, chat, framing, stream=bool(req.stream))
 
 
 create_response = endpoint(_create)
