@@ -63,6 +63,11 @@ class ChatBody(_Body):
     tools: list[Any] | None = None
 
 
+class ShowBody(APIModel):
+    model: str | None = None
+    name: str | None = None  # the field's pre-0.1 spelling, still accepted
+
+
 @dataclass
 class Job:
     """One validated request: `prompt` None means a load/unload request, answered without generating."""

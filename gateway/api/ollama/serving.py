@@ -13,7 +13,7 @@ from kv_bridge.config import ModelRoute
 
 from gateway.api.ollama.cards import CARDS, ModelCard
 from gateway.api.ollama.framing import Clock, OllamaFraming, chunk
-from gateway.api.ollama.protocol import ChatBody, GenerateBody, Job
+from gateway.api.ollama.protocol import ChatBody, GenerateBody, Job, ShowBody
 from gateway.api.ollama.translate import chat_job, find_route, generate_job
 from gateway.api.protocol import parse, read_body
 from gateway.api.serving import STATE, GatewayState, endpoint, run
@@ -56,12 +56,10 @@ async def ps(request: web.Request) -> web.Response:
 
 
 async def show(request: web.Request) -> web.Response:
-    body = await read_body(request)
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    name = body.get("model") or body.get("name")  # "name": the field's pre-0.1 spelling, still accepted
-    if not isinstance(name, str) or not name:
-        raise InvalidRequest("model is required")
+    body = parse(ShowBody, await read_body(request))
+    name = body.model or body.name
+    if not name:
+        raise InvalidRequest("model is required", param="model")
     st = request.app[STATE]
     route = find_route(st, name)
     card = request.app[CARDS][route.id]
