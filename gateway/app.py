@@ -1,6 +1,6 @@
-"""The gateway app (`create_app`, `serve`): /health, /metrics, /fidelity and vLLM's /tokenize on the root app, and
-each client API mounted by its package's api_router (Anthropic at /v1/messages, OpenAI at /v1, Ollama at /api), each
-with its own error shape and key check (gateway.api.boundary).
+"""The gateway app (`create_app`, `serve`): /health, /metrics and /fidelity on the root app, and each client API
+mounted by its package's api_router (Anthropic at /v1/messages, OpenAI at /v1, Ollama at /api, vLLM's /tokenize at
+the root), each with its own error shape and key check (gateway.api.boundary).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 
 from gateway import auth
-from gateway.api import boundary, tokenization
+from gateway.api import boundary
 from gateway.api.anthropic import api_router as anthropic
 from gateway.api.ollama import api_router as ollama
 from gateway.api.openai import api_router as openai
+from gateway.api.tokenize import api_router as tokenize
 from gateway.api.openai.errors import OPENAI
 from gateway.api.serving import STATE, GatewayState
 from gateway.metrics import Metrics
@@ -34,7 +35,7 @@ log = logging.getLogger("gateway")
 MAX_BODY_BYTES = 32 << 20  # long prompts are large JSON; aiohttp's 1 MiB default is too small
 # The client APIs, one package each, mounted in this order (Anthropic's /v1/messages before OpenAI's /v1: the longer
 # prefix resolves first). A new API is its own package and its api_router here.
-APIS = (anthropic, openai, ollama)
+APIS = (anthropic, openai, ollama, tokenize)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -119,7 +120,6 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/fidelity", fidelity)
-    tokenization.add_routes(app)  # vLLM's /tokenize and /detokenize live at the root, as in vLLM
     for api in APIS:
         api.mount(app, state, keys)
     return app

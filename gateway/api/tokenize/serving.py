@@ -8,40 +8,15 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from pydantic import Field
 
-from gateway.errors import InvalidRequest
-from gateway.text.history import template_messages
-from gateway.api.openai.protocol import Message
-from gateway.api.protocol import APIModel, parse, read_body
-from gateway.api.serving import STATE, GatewayState
-from gateway.text.tokenizer import ChatTokenizer
 from kv_bridge.config import ModelRoute
 
-
-class _Body(APIModel):
-    model: str | None = None  # vLLM serves one model; here it may be left out when the gateway serves one
-    return_token_strs: bool | None = False
-
-
-class TokenizeCompletion(_Body):
-    prompt: str
-    add_special_tokens: bool = True
-
-
-class TokenizeChat(_Body):
-    messages: list[Message] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # the template writes the special tokens
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-class Detokenize(APIModel):
-    model: str | None = None
-    tokens: list[int]
+from gateway.api.protocol import parse, read_body
+from gateway.api.serving import STATE, GatewayState
+from gateway.api.tokenize.protocol import Detokenize, TokenizeChat, TokenizeCompletion
+from gateway.errors import InvalidRequest
+from gateway.text.history import template_messages
+from gateway.text.tokenizer import ChatTokenizer
 
 
 def _route(st: GatewayState, model: str | None) -> ModelRoute:
@@ -102,9 +77,3 @@ async def detokenize(request: web.Request) -> web.Response:
     if bad:
         raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (size {tok.vocab_size})", param="tokens")
     return web.json_response({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
-
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-
