@@ -1,5 +1,6 @@
-"""The gateway app (`create_app`, `serve`): /health, /metrics and Ollama's "/" on the root app; the OpenAI API a
-sub-app at /v1, the Ollama API one at /api; each app has its own error shape and key check (gateway.api.boundary).
+"""The gateway app (`create_app`, `serve`): /health, /metrics and /fidelity on the root app, and each client API
+mounted by its package's api_router (Anthropic at /v1/messages, OpenAI at /v1, Ollama at /api, vLLM's /tokenize at
+the root), each with its own error shape and key check (gateway.api.boundary).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kv_bridge.config import AuthConfig, Settings, resolve_model_path
 
 from gateway import auth
-from gateway.api import boundary, tokenization
-from gateway.api.ollama import routes as ollama
-from gateway.api.anthropic import serving as anthropic
-from gateway.api.openai.responses import serving as responses
-from gateway.auth import APIKeys
-from gateway.api.openai.chat import STATE, GatewayState, chat_completions
-from gateway.api.openai.completions import completions
+from gateway.api import boundary
+from gateway.api.anthropic import api_router as anthropic
+from gateway.api.ollama import api_router as ollama
+from gateway.api.openai import api_router as openai
+from gateway.api.tokenize import api_router as tokenize
+from gateway.api.openai.errors import OPENAI
+from gateway.api.serving import STATE, GatewayState
 from gateway.metrics import Metrics
 from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
@@ -33,22 +34,9 @@ from gateway.text.tokenizer import ChatTokenizer
 log = logging.getLogger("gateway")
 
 MAX_BODY_BYTES = 32 << 20  # long prompts are large JSON; aiohttp's 1 MiB default is too small
-
-
-async def list_models(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    data = [_model_card(name, st.created) for m in st.settings.models for name in m.names]  # aliases too
-    return web.json_response({"object": "list", "data": data})
-
-
-async def get_model(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    st.route(request.match_info["model"])  # an unknown name is a 404 in OpenAI's shape
-    return web.json_response(_model_card(request.match_info["model"], st.created))
-
-
-def _model_card(model_id: str, created: int) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "disagg"}
+# The client APIs, one package each, mounted in this order (Anthropic's /v1/messages before OpenAI's /v1: the longer
+# prefix resolves first). A new API is its own package and its api_router here.
+APIS = (anthropic, openai, ollama, tokenize)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -105,23 +93,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
-def _openai_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
-    """The OpenAI API, mounted at /v1, with its own error shape and key check (gateway.api.boundary)."""
-    app = web.Application(middlewares=boundary.middlewares(boundary.OPENAI, keys))
-    app[STATE] = st
-    app.router.add_post("/chat/completions", chat_completions)
-    app.router.add_post("/completions", completions)
-    app.router.add_get("/models", list_models)
-    app.router.add_get("/models/{model:.+}", get_model)  # ids may hold slashes (aliases)
-    responses.add_routes(app)
-    return app
-
-
 def _open_handlers(cfg: AuthConfig) -> set:
     """The root routes a caller without a key may use: the liveness probes and /metrics, unless protected."""
     out = set()
     if not cfg.protect_health:
-        out |= {health, ollama.root}  # "/" is Ollama's liveness probe ("Ollama is running")
+        out |= {health, *(probe for api in APIS for probe in api.PROBES)}  # e.g. Ollama's "/" ("Ollama is running")
     if not cfg.protect_metrics:
         out.add(metrics)
     return out
@@ -138,7 +114,7 @@ def create_app(settings: Settings) -> web.Application:
     keys = auth.api_keys(settings.auth)
     auth.warn_exposure(settings, has_keys=keys is not None)
     # The root app's own errors (unknown paths too) answer in OpenAI's shape, as every non-Ollama path always did.
-    app = web.Application(middlewares=boundary.middlewares(boundary.OPENAI, keys, _open_handlers(settings.auth)),
+    app = web.Application(middlewares=boundary.middlewares(OPENAI, keys, _open_handlers(settings.auth)),
                           client_max_size=MAX_BODY_BYTES)  # the root app reads every body, sub-apps' too
     app[STATE] = state
     app[auth.NODE_HEADERS] = auth.node_headers(settings.auth)
@@ -146,12 +122,8 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/fidelity", fidelity)
-    app.router.add_get("/", ollama.root)  # Ollama's liveness probe; add_get answers HEAD too
-    tokenization.add_routes(app)  # vLLM's /tokenize and /detokenize live at the root, as in vLLM
-    # Before /v1: the longer prefix resolves first, so Anthropic's routes answer in Anthropic's shape.
-    app.add_subapp("/v1/messages", anthropic.api_app(state, keys))
-    app.add_subapp("/v1", _openai_app(state, keys))
-    app.add_subapp("/api", ollama.api_app(state, keys))
+    for api in APIS:
+        api.mount(app, state, keys)
     return app
 
 

@@ -8,6 +8,8 @@ import pytest
 from aiohttp import web
 
 from gateway.api import boundary
+from gateway.api.ollama.errors import OLLAMA
+from gateway.api.openai.errors import OPENAI
 from gateway.auth import APIKeys
 from gateway.errors import RateLimited, UpstreamError
 
@@ -39,9 +41,9 @@ def _routes(app: web.Application) -> web.Application:
 @pytest.fixture(params=[None, KEY], ids=["open", "keyed"])
 async def url(request):
     keys = None if request.param is None else APIKeys([request.param])
-    root = _routes(web.Application(middlewares=boundary.middlewares(boundary.OPENAI, keys, {ok})))
+    root = _routes(web.Application(middlewares=boundary.middlewares(OPENAI, keys, {ok})))
     # the sub-app serves the same `ok` handler, but only the root app named it open
-    root.add_subapp("/sub", _routes(web.Application(middlewares=boundary.middlewares(boundary.OLLAMA, keys))))
+    root.add_subapp("/sub", _routes(web.Application(middlewares=boundary.middlewares(OLLAMA, keys))))
     runner = web.AppRunner(root, shutdown_timeout=0.1)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -10,7 +10,7 @@ import pytest
 import oracle
 from fakes import MODEL_ID
 from gateway.errors import ModelNotFound
-from gateway.api.ollama.protocol import find_route
+from gateway.api.ollama.translate import find_route
 
 TOTAL = "disagg_requests_total"
 

@@ -261,7 +261,7 @@ async def test_tools_rendered_when_template_supports_them(empty_config, tools_mo
 
 def test_token_pieces_are_byte_exact():
     """Byte-level tokens can split a character: bytes concatenate to the text, strings escape partial bytes."""
-    from gateway.api.openai.render import TokenPieces
+    from gateway.api.openai.framing import TokenPieces
 
     pieces = TokenPieces(TOK.tokenizer)
     text = "Emoji 🙂 and 日本語, ça va?"

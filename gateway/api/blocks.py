@@ -1,12 +1,16 @@
 """One choice's output as an ordered list of blocks (reasoning, text, tool call), built token by token with the
 events a block-structured API streams: a block starts, grows by deltas, stops. The Responses API (output items) and
-Anthropic's Messages API (content blocks) both frame these."""
+Anthropic's Messages API (content blocks) both frame these, on `BlockFraming`."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
+from kv_bridge.protocol import DoneLine, TokenLine
+
+from gateway.api.relay import Framing
 from gateway.text.output import OutputParser, Parts
 from gateway.text.toolcalls import ToolCall
 
@@ -95,3 +99,36 @@ class Blocks:
             return []
         block, self._open = self._open, None
         return [Event("stop", self.blocks.index(block), block)]
+
+
+class BlockFraming(Framing):
+    """What a block-structured API's framing shares: one choice's `Blocks`, fed token by token, and server-sent
+    events named by their type. Each API writes only its own shapes: `_events` (a stream's events for the blocks'
+    events), `body`, `opening`, `closing`, `error`."""
+
+    stream_headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+    def __init__(self, blocks: Blocks) -> None:
+        self.blocks = blocks
+
+    def encode(self, frame: list[dict]) -> bytes:
+        return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in frame)
+
+    def _events(self, events: list[Event]) -> list[dict]:
+        raise NotImplementedError
+
+    # ---- complete ----
+
+    def keep(self, index: int, tok: TokenLine) -> None:
+        self.blocks.feed(tok.text)
+
+    def ended(self, index: int, done: DoneLine) -> None:
+        self.blocks.finish(done.finish_reason == "stop")
+
+    # ---- streamed ----
+
+    def token(self, index: int, tok: TokenLine) -> list[dict] | None:
+        return self._events(self.blocks.feed(tok.text)) or None
+
+    def finish(self, index: int, done: DoneLine) -> list[dict] | None:
+        return self._events(self.blocks.finish(done.finish_reason == "stop")) or None

@@ -1,5 +1,5 @@
 """Each aiohttp (sub-)app's boundary: the API-key check and the one place errors become responses, in its API's
-shape (OpenAI: `{"error": {"message", "type", "param", "code"}}`; Ollama: `{"error": "..."}`).
+shape (an `ErrorShape`, written in each API package's errors.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ from gateway.auth import APIKeys, refusal
 from gateway.errors import APIError
 
 log = logging.getLogger("gateway")
-
-_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
 
 def mine(request: web.Request) -> bool:
     """True when the app whose middleware runs is the one that resolved `request` (not one of its sub-apps).
@@ -47,31 +44,6 @@ class ErrorShape:
 
     def response(self, err: APIError) -> web.Response:
         return web.json_response(self.body(err), status=self.status(err), headers=err.headers or None)
-
-
-class OpenAIShape(ErrorShape):
-    not_found = "Unknown request URL: {method} {path}"
-
-    def body(self, err: APIError) -> dict:
-        return err.body()
-
-    def from_http(self, e: web.HTTPException, request: web.Request) -> APIError:
-        kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return APIError(self.http_message(e, request), status=e.status, type=kind, code=_CODES.get(e.status))
-
-
-class OllamaShape(ErrorShape):
-    not_found = "{method} {path} is not an Ollama API endpoint"
-    not_allowed = "method {method} is not allowed on {path}"
-
-    def body(self, err: APIError) -> dict:
-        return {"error": f"unauthorized: {err.message}" if err.status == 401 else err.message}
-
-    def status(self, err: APIError) -> int:
-        return 500 if err.status == 502 else err.status  # Ollama: a node's failure is a 500
-
-
-OPENAI, OLLAMA = OpenAIShape(), OllamaShape()
 
 
 def error_middleware(shape: ErrorShape):

@@ -1,4 +1,4 @@
-"""What the API handlers share: the gateway state, the per-request metrics wrapper, OpenAI sampling, and `run`:
+"""What the API handlers share: the gateway state, the per-request metrics wrapper, and `run`:
 n choices of one prompt through the orchestrator, answered by gateway.api.relay in the API's framing.
 """
 
@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -16,15 +16,14 @@ from kv_bridge.config import ModelRoute, Settings
 from kv_bridge.protocol import Sampling
 
 from gateway.api import relay
-from gateway.errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
+from gateway.errors import APIError, ClientDisconnected, ModelNotFound, status_class
 from gateway.metrics import Metrics, RequestRecord
 from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
 from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
 from gateway.text.reasoning import gate_grammar, parser_name
 from gateway.api.relay import Framing
-from gateway.api.openai.render import TokenPieces
-from gateway.api.openai.protocol import GenerationRequest, parse_json
+from gateway.api.openai.framing import TokenPieces
 from gateway.text.tokenizer import ChatTokenizer
 from gateway.cluster.upstream import Prompt
 
@@ -81,28 +80,6 @@ def endpoint(work: Work) -> Callable[[web.Request], Awaitable[web.StreamResponse
             rec.finish(status)  # a no-op when the stream already recorded its own outcome
 
     return handler
-
-
-async def read_body(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise InvalidRequest("request body is too large", status=413, code="request_too_large") from None
-    return parse_json(raw)
-
-
-def sampling_for(req: GenerationRequest, max_tokens: int, logprobs: int | None) -> Sampling:
-    """The decode node's sampling for a validated request; OpenAI's defaults where a field is absent."""
-    def pick(value, default):
-        return default if value is None else value
-
-    return Sampling(
-        max_tokens=max_tokens, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), seed=req.seed,
-        stop=req.stop_list(), top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
-        presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
-        repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
-        logprobs=logprobs,
-    )
 
 
 async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route: ModelRoute, prompt: Prompt,

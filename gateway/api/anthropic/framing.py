@@ -10,9 +10,8 @@ from typing import Callable
 
 from kv_bridge.protocol import DoneLine, TokenLine
 
-from gateway.api.blocks import Block, Blocks, Event
+from gateway.api.blocks import Block, BlockFraming, Blocks, Event
 from gateway.errors import APIError
-from gateway.api.relay import Framing
 
 from gateway.api.anthropic.errors import error_body
 
@@ -35,18 +34,14 @@ def _delta(block: Block, text: str) -> dict:
     return {"type": "text_delta", "text": text}
 
 
-class AnthropicFraming(Framing):
-    stream_headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-
+class AnthropicFraming(BlockFraming):
     def __init__(self, model: str, blocks: Blocks, prompt_tokens: int, stops: list[str],
                  decode: Callable[[list[int]], str]) -> None:
-        self.model, self.blocks, self.prompt_tokens = model, blocks, prompt_tokens
+        super().__init__(blocks)
+        self.model, self.prompt_tokens = model, prompt_tokens
         self.stops, self.decode = stops, decode  # to tell which stop sequence ended the turn
         self.id = f"msg_{uuid.uuid4().hex}"
         self.ids: list[int] = []
-
-    def encode(self, frame: list[dict]) -> bytes:
-        return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in frame)
 
     def _stop(self, done: DoneLine) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence). The node leaves a stop string out of the text; the ids still hold it."""
@@ -74,11 +69,8 @@ class AnthropicFraming(Framing):
     # ---- complete ----
 
     def keep(self, index: int, tok: TokenLine) -> None:
-        self.ids.append(tok.token_id)
-        self.blocks.feed(tok.text)
-
-    def ended(self, index: int, done: DoneLine) -> None:
-        self.blocks.finish(done.finish_reason == "stop")
+        self.ids.append(tok.token_id)  # to tell which stop sequence ended the turn
+        super().keep(index, tok)
 
     def body(self, dones: list[DoneLine]) -> dict:
         return self.message(dones[0])
@@ -90,10 +82,10 @@ class AnthropicFraming(Framing):
 
     def token(self, index: int, tok: TokenLine) -> list[dict] | None:
         self.ids.append(tok.token_id)
-        return self._events(self.blocks.feed(tok.text)) or None
+        return super().token(index, tok)
 
     def finish(self, index: int, done: DoneLine) -> list[dict]:
-        out = self._events(self.blocks.finish(done.finish_reason == "stop"))
+        out = super().finish(index, done) or []
         reason, seq = self._stop(done)
         return out + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                        "usage": {"output_tokens": done.completion_tokens}}]

@@ -1,40 +1,30 @@
-"""Anthropic Messages API requests (pydantic) and their translation into the chat request the gateway runs:
-`system` and content blocks become chat messages (tool_use as assistant `tool_calls`, tool_result as `tool`
-messages, `system`-role messages, Anthropic's mid-conversation system messages, system messages), tools and
-tool_choice their chat forms, `stop_sequences` the stop strings."""
+"""Anthropic Messages API requests (pydantic); their translation into the shared chat request is translate.py."""
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from gateway.api.chat_job import EXTRA_SAMPLING
-from gateway.errors import InvalidRequest
-from gateway.api.openai.protocol import ChatRequest, parse_chat_request
+from gateway.api.protocol import APIModel, Temperature, TopK, TopP
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class InputMessage(_Model):
+class InputMessage(APIModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
-class Thinking(_Model):
+class Thinking(APIModel):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
 
 
-class OutputFormat(_Model):
+class OutputFormat(APIModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Model):
+class OutputConfig(APIModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
@@ -43,7 +33,7 @@ class OutputConfig(_Model):
         return {"xhigh": "high", "max": "high"}.get(self.effort or "", self.effort)
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(APIModel):
     model: str = Field(min_length=1)
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -62,148 +52,7 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool | None = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    temperature: Annotated[Temperature, Field(le=1.0)] | None = None  # Anthropic's range
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     metadata: dict[str, Any] | None = None
-
-
-def parse(model: type[CountTokensRequest], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"] if p not in ("str", "list[dict[str,any]]")) or "body"
-        raise InvalidRequest(f"{where}: {err['msg']}", param=where) from None
-
-
-# Claude Code's attribution line opens its system prompt with a per-request hash: dropped (as vLLM does), or no
-# two requests would share a cached prefix.
-_BILLING = "x-anthropic-billing-header"
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where}: content must be a string or a list of blocks")
-    parts = []
-    for i, b in enumerate(content):
-        if not isinstance(b, dict) or b.get("type") != "text":
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-            raise InvalidRequest(f"{where}[{i}]: only text blocks are supported here, not {kind!r}")
-        parts.append(str(b.get("text", "")))
-    return "".join(parts)
-
-
-def _system_text(content: Any, where: str) -> str:
-    """A system prompt's text, without Claude Code's billing line."""
-    if isinstance(content, str):
-        return "" if content.startswith(_BILLING) else content
-    blocks = [b for b in content or [] if not (isinstance(b, dict) and str(b.get("text", "")).startswith(_BILLING))]
-    return _text(blocks, where)
-
-
-def _user(msg: InputMessage, where: str) -> list[dict]:
-    """A user turn: its tool_result blocks as tool messages, its text as one user message after them."""
-    if isinstance(msg.content, str):
-        return [{"role": "user", "content": msg.content}]
-    out, text = [], []
-    for i, b in enumerate(msg.content):
-        kind = b.get("type")
-        if kind == "tool_result":
-            body = _text(b.get("content"), f"{where}.content[{i}].content")
-            out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                        "content": f"Error: {body}" if b.get("is_error") else body})
-        elif kind == "text":
-            text.append(str(b.get("text", "")))
-        else:
-            raise InvalidRequest(f"{where}.content[{i}]: {kind!r} blocks are not supported (text and tool_result "
-                                 f"are)")
-    return out + ([{"role": "user", "content": "".join(text)}] if text else [])
-
-
-def _assistant(msg: InputMessage, where: str) -> dict:
-    """An assistant turn: text as content, tool_use blocks as tool_calls; earlier thinking is not re-rendered."""
-    if isinstance(msg.content, str):
-        return {"role": "assistant", "content": msg.content}
-    text, calls = [], []
-    for i, b in enumerate(msg.content):
-        kind = b.get("type")
-        if kind == "text":
-            text.append(str(b.get("text", "")))
-        elif kind == "tool_use":
-            calls.append({"id": b.get("id"), "type": "function",
-                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
-        elif kind not in ("thinking", "redacted_thinking"):
-            raise InvalidRequest(f"{where}.content[{i}]: {kind!r} blocks are not supported in assistant turns")
-    out: dict = {"role": "assistant", "content": "".join(text) or None}
-    return {**out, "tool_calls": calls} if calls else out
-
-
-def chat_messages(req: CountTokensRequest, inline_system: bool = True) -> list[dict]:
-    """The chat messages; `system`-role messages stay where they are, or, where the template renders no system
-    message after the first (`inline_system` False), join the leading system prompt."""
-    system = [_system_text(req.system, "system")] if req.system else []
-    out: list[dict] = []
-    for i, m in enumerate(req.messages):
-        where = f"messages.{i}"
-        if m.role == "system":
-            text = _system_text(m.content, f"{where}.content")
-            if text and inline_system:
-                out.append({"role": "system", "content": text})
-            elif text:
-                system.append(text)
-        else:
-            out += _user(m, where) if m.role == "user" else [_assistant(m, where)]
-    system = [t for t in system if t]
-    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
-
-
-def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Client tools as chat function tools; Anthropic's server tools (web search, code execution...) are refused."""
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if t.get("type") not in (None, "custom") or not isinstance(t.get("name"), str):
-            raise InvalidRequest(f"tools.{i}: only custom tools with a name and input_schema are supported, not "
-                                 f"{t.get('type')!r}")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def chat_tool_choice(choice: dict | None) -> str | dict | None:
-    kind = (choice or {}).get("type")
-    if choice is None:
-        return None
-    if kind in ("auto", "none"):
-        return kind
-    if kind == "any":
-        return "required"
-    if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    raise InvalidRequest(f"tool_choice.type must be auto, any, tool or none, not {kind!r}")
-
-
-def chat_request(req: CountTokensRequest, inline_system: bool = True) -> ChatRequest:
-    body = {"model": req.model, "messages": chat_messages(req, inline_system), "tools": chat_tools(req.tools),
-            "tool_choice": chat_tool_choice(req.tool_choice)}
-    out = req.output_config
-    if out is not None:
-        body["reasoning_effort"] = out.reasoning_effort()
-        if out.format is not None:  # structured output: the decode node masks by the schema's grammar
-            body["response_format"] = {"type": "json_schema", "json_schema": {"schema": out.format.schema_,
-                                                                              "strict": True}}
-    if isinstance(req, MessagesRequest):
-        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k)
-        body.update({k: v for k, v in (req.model_extra or {}).items() if k in EXTRA_SAMPLING and k != "stop"})
-    return parse_chat_request({k: v for k, v in body.items() if v is not None})

@@ -1,19 +1,19 @@
 """POST /v1/messages and /v1/messages/count_tokens: translate, run through the chat path's orchestrator and relay,
-answer as an Anthropic `message` (gateway.api.anthropic.framing); `api_app` is the sub-app at /v1/messages."""
+answer as an Anthropic `message` (gateway.api.anthropic.framing)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from gateway.api.blocks import Blocks
-from gateway.api.chat_job import encode, prepare
-from gateway.auth import APIKeys
+from gateway.api.chat_job import ChatJob, encode, serve_chat
 from gateway.metrics import RequestRecord
-from gateway.api.serving import STATE, GatewayState, endpoint, read_body, run
+from gateway.api.protocol import parse, read_body
+from gateway.api.serving import STATE, GatewayState, endpoint
 
-from gateway.api.anthropic import errors
 from gateway.api.anthropic.framing import AnthropicFraming
-from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest, chat_request, parse
+from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic.translate import chat_request
 
 
 def _chat(st: GatewayState, req: CountTokensRequest):
@@ -26,11 +26,12 @@ def _chat(st: GatewayState, req: CountTokensRequest):
 async def _messages(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
     req = parse(MessagesRequest, await read_body(request))
     chat = _chat(st, req)
-    rec.model = st.route(chat.model).id
-    job = await prepare(st, chat, req.think())
-    blocks = Blocks(job.reasoning, job.tools, chat.tools)
-    framing = AnthropicFraming(req.model, blocks, len(job.prompt.ids), chat.stop_list(), job.tok.decode)
-    return await run(request, st, rec, job.route, job.prompt, job.sampling, 1, bool(req.stream), framing)
+
+    def framing(job: ChatJob) -> AnthropicFraming:
+        blocks = Blocks(job.reasoning, job.tools, chat.tools)
+        return AnthropicFraming(req.model, blocks, len(job.prompt.ids), chat.stop_list(), job.tok.decode)
+
+    return await serve_chat(request, st, rec, chat, framing, stream=bool(req.stream), think=req.think())
 
 
 messages = endpoint(_messages)
@@ -42,12 +43,3 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = parse(CountTokensRequest, await read_body(request))
     _, ids = await encode(st, _chat(st, req), req.think())
     return web.json_response({"input_tokens": len(ids)})
-
-
-def api_app(st: GatewayState, keys: APIKeys | None) -> web.Application:
-    """The Messages API, mounted at /v1/messages, with Anthropic's error shape and key headers."""
-    app = web.Application(middlewares=errors.middlewares(keys))
-    app[STATE] = st
-    app.router.add_post("", messages)
-    app.router.add_post("/count_tokens", count_tokens)
-    return app

@@ -1,1 +1,1 @@
-"""Ollama's API (/api/*): routes.py answers, protocol.py validates requests and builds Ollama's answer shapes."""
+"""Ollama's API (/ and /api/*) over the shared request path: a drop-in for Ollama's clients."""

@@ -1,54 +1,49 @@
 """OpenAI request validation (pydantic) for /v1/chat/completions and /v1/completions.
 
 Shape and range errors come from pydantic; `check()` adds the cross-field rules. Both become a 400 whose
-`param` names the field. Response shapes live in gateway.api.openai.render.
+`param` names the field. Response shapes live in gateway.api.openai.framing.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from kv_bridge.protocol import json_grammar
 
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.api.protocol import (MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, APIModel, MinP, Penalty,
+                                  RepetitionPenalty, Temperature, TopK, TopP, parse)
+from gateway.errors import InvalidRequest
 from gateway.text.history import template_messages
 from gateway.text.toolcalls.forced import allowed_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's own default (vLLM's too)
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
-MAX_STOP = 4
+OpenAITemperature = Annotated[Temperature, Field(le=2.0)]  # OpenAI's documented range (Responses' too)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(APIModel):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Message(APIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class StreamOptions(APIModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+class JsonSchemaFormat(APIModel):
+    model_config = ConfigDict(populate_by_name=True)
     name: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ResponseFormat(APIModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -64,24 +59,19 @@ class ResponseFormat(BaseModel):
         return None
 
 
-Penalty = Field(default=None, ge=-2.0, le=2.0)
-
-
-class GenerationRequest(BaseModel):
+class GenerationRequest(APIModel):
     """Fields both endpoints share. Unknown OpenAI fields (user, metadata, ...) are accepted and ignored."""
-
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)  # 0: off
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Penalty
-    frequency_penalty: float | None = Penalty
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    temperature: OpenAITemperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, Any] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -106,8 +96,10 @@ class GenerationRequest(BaseModel):
         for key, bias in v.items():
             if not key.isdigit():
                 raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                raise ValueError(f"bias for token {key} must be a number in [-100, 100], got {bias!r}")
+            number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if not number or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails the comparison too
+                raise ValueError(f"bias for token {key} must be a number in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                                 f"got {bias!r}")
             out[str(int(key))] = float(bias)
         return out
 
@@ -177,8 +169,9 @@ class ChatRequest(GenerationRequest):
         return template_messages([m.model_dump(exclude_none=False) for m in self.messages])
 
     def client_messages(self) -> list[dict]:
-        """The messages as the client sent them, for an upstream server (which takes OpenAI's own shape)."""
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        """The messages as the client sent them, for an upstream server (which takes OpenAI's own shape: Ollama's
+        thinking and tool_name are ours to render, not its)."""
+        return [m.model_dump(exclude_none=True, exclude={"thinking", "tool_name"}) for m in self.messages]
 
     def effort(self) -> tuple[str | None, bool | None]:
         """(reasoning effort, thinking switch) for gateway.text.reasoning.template_kwargs. vLLM's "none" switches
@@ -219,72 +212,12 @@ class CompletionRequest(GenerationRequest):
         return p[0] if isinstance(p, list) and p and isinstance(p[0], (str, list)) else p
 
 
-_MODELS = (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, ResponseFormat, JsonSchemaFormat)
-_FIELD_NAMES = {name for m in _MODELS for name in m.model_fields}
-
-
-def _param(loc: tuple, names: set[str] = _FIELD_NAMES) -> str | None:
-    """Pydantic loc -> OpenAI param: ('messages', 0, 'content', 'str') -> 'messages[0].content'."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in names:
-            out += f".{part}" if out else part
-        else:  # a union member tag such as 'str' or 'list[TextPart]': the field above it is the param
-            break
-    return out or None
-
-
-def parse_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
-    except RecursionError:  # deeper nesting than the parser's stack: no valid request is that deep
-        raise InvalidRequest("request body is not valid JSON: nested too deeply") from None
-
-
-def parse_model(model: type[BaseModel], body: Any) -> Any:
-    """A JSON body as `model`; the first validation error is a 400 naming its param."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = _param(tuple(err["loc"]), _FIELD_NAMES | set(model.model_fields))
-        raise InvalidRequest(f"{param or 'body'}: {err['msg']}", param=param) from None
-
-
 def parse_chat_request(body: Any) -> ChatRequest:
-    return parse_model(ChatRequest, body)
+    return parse(ChatRequest, body)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    return parse_model(CompletionRequest, body)
-
-
-def resolve_max_tokens(req: GenerationRequest, prompt_tokens: int, max_model_len: int, *,
-                       default: int | None = None, param: str = "messages") -> int:
-    """The generation budget; a request that cannot fit the model's context is refused before any work. Without
-    max_tokens a chat request may fill the context, as vLLM allows: SDKs and curl omit it, and a reasoning model
-    needs the room. `default`: the legacy completions API's own default instead, shrunk to what fits."""
-    requested = req.max_completion_tokens or req.max_tokens
-    if requested is None:
-        room = max_model_len - prompt_tokens
-        if room >= 1:
-            return room if default is None else min(default, room)
-        requested = default or 1
-    if prompt_tokens + requested > max_model_len:
-        where = "the messages" if param == "messages" else "the prompt"
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + requested} tokens ({prompt_tokens} in {where}, {requested} in the completion). "
-            f"Please reduce the length of {where} or completion.",
-            param=param,
-        )
-    return requested
+    return parse(CompletionRequest, body)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -4,17 +4,16 @@ A finished response is stored for `previous_response_id` unless the request said
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
-from kv_bridge.protocol import DoneLine, TokenLine
+from kv_bridge.protocol import DoneLine
 
-from gateway.api.blocks import Block, Blocks, Event
+from gateway.api.blocks import Block, BlockFraming, Blocks, Event
 from gateway.errors import APIError
-from gateway.api.relay import Framing
 
-from gateway.api.openai.responses.protocol import ResponsesRequest, namespaced_names
+from gateway.api.openai.responses.protocol import ResponsesRequest
+from gateway.api.openai.responses.translate import namespaced_names
 from gateway.api.openai.responses.store import ResponseStore
 
 _PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
@@ -51,19 +50,15 @@ def _item(block: Block, item_id: str, status: str, names: dict[str, tuple[str, s
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-class ResponsesFraming(Framing):
-    stream_headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-
+class ResponsesFraming(BlockFraming):
     def __init__(self, req: ResponsesRequest, blocks: Blocks, conversation: list[dict],
                  store: ResponseStore | None) -> None:
-        self.req, self.blocks, self.conversation, self.store = req, blocks, conversation, store
+        super().__init__(blocks)
+        self.req, self.conversation, self.store = req, conversation, store
         self.id, self.created = _id("resp"), int(time.time())
         self._ids: dict[int, str] = {}
         self.names = namespaced_names(req.tools)
         self._seq = 0
-
-    def encode(self, frame: list[dict]) -> bytes:
-        return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in frame)
 
     # ---- the response object ----
 
@@ -108,12 +103,6 @@ class ResponsesFraming(Framing):
 
     # ---- complete ----
 
-    def keep(self, index: int, tok: TokenLine) -> None:
-        self.blocks.feed(tok.text)
-
-    def ended(self, index: int, done: DoneLine) -> None:
-        self.blocks.finish(done.finish_reason == "stop")
-
     def body(self, dones: list[DoneLine]) -> dict:
         return self._finished(dones[0])
 
@@ -126,12 +115,6 @@ class ResponsesFraming(Framing):
     def opening(self, n: int) -> list[list[dict]]:
         return [[self._event("response.created", response=self.response("in_progress")),
                  self._event("response.in_progress", response=self.response("in_progress"))]]
-
-    def token(self, index: int, tok: TokenLine) -> list[dict] | None:
-        return self._events(self.blocks.feed(tok.text)) or None
-
-    def finish(self, index: int, done: DoneLine) -> list[dict] | None:
-        return self._events(self.blocks.finish(done.finish_reason == "stop")) or None
 
     def closing(self, dones: list[DoneLine]) -> list[list[dict]]:
         # Cut off too (status "incomplete" inside), as vLLM does: the SDK's stream helper ends on this event only.

@@ -1,54 +1,40 @@
-"""Responses API requests (pydantic) and their translation into the chat request the gateway runs: `input` items
-become chat messages (function calls as assistant `tool_calls`, their outputs as `tool` messages), flat function
-tools (and a namespace's functions, as `<namespace>__<name>`, vLLM's flat form) become chat tools, `text.format` a
-`response_format`, `reasoning.effort` the template's effort."""
+"""Responses API requests (pydantic); their translation into the shared chat request is translate.py."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from gateway.api.chat_job import EXTRA_SAMPLING
-from gateway.errors import InvalidRequest
-from gateway.api.openai.protocol import ChatRequest, parse_chat_request
-
-log = logging.getLogger("gateway.api.serving")
-
-# A namespace's function as the model sees it (vLLM's separator); answered back as name + namespace, as Codex reads.
-NAMESPACE_SEP = "__"
+from gateway.api.protocol import APIModel, TopP, parse
+from gateway.api.openai.protocol import OpenAITemperature
 
 # Effort names the Responses API has beyond the chat templates' low/medium/high.
 _EFFORT = {"minimal": "low", "none": "low"}
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Reasoning(_Model):
+class Reasoning(APIModel):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
-class TextFormat(_Model):
+class TextFormat(APIModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class TextConfig(_Model):
+class TextConfig(APIModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(APIModel):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: OpenAITemperature | None = None
+    top_p: TopP | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -65,132 +51,4 @@ class ResponsesRequest(_Model):
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    try:
-        return ResponsesRequest.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if p not in ("str", "list[dict[str,any]]")) or None
-        raise InvalidRequest(f"{param or 'body'}: {err['msg']}", param=param) from None
-
-
-def _text(content: Any, param: str) -> str:
-    """A message's content (a string, or text parts) as one string; other part types are refused."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{param} must be a string or a list of content parts", param=param)
-    out = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            raise InvalidRequest(f"{param}[{i}]: only text content is supported, not {kind!r}", param=param)
-        out.append(str(part.get("text", "")))
-    return "".join(out)
-
-
-def input_messages(items: str | list[dict]) -> list[dict]:
-    """`input` as chat messages. Reasoning items are dropped: the chat templates re-render no earlier reasoning."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict] = []
-    for i, item in enumerate(items):
-        param = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise InvalidRequest(f"{param}.role must be user, assistant, system or developer", param=param)
-            # Chat templates know system, not developer; the Responses API treats them alike.
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content", ""), f"{param}.content")})
-        elif kind == "function_call":
-            name = item.get("name")
-            if item.get("namespace"):  # the flat name the model was shown
-                name = f"{item['namespace']}{NAMESPACE_SEP}{name}"
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": name, "arguments": item.get("arguments") or "{}"}}
-            if out and out[-1]["role"] == "assistant":  # parallel calls, or text then calls: one assistant turn
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text(output, f"{param}.output")})
-        elif kind != "reasoning":
-            raise InvalidRequest(f"{param}: input items of type {kind!r} are not supported", param=param)
-    return out
-
-
-def _function(t: dict, name: str, param: str) -> dict:
-    if not isinstance(t.get("name"), str) or not t["name"]:
-        raise InvalidRequest(f"{param}: a function tool needs a name", param=param)
-    fn = {k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}
-    return {"type": "function", "function": {"name": name, **fn}}
-
-
-def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses' function tools as chat tools, a namespace's functions flattened to `<namespace>__<name>`. Hosted
-    tools (web_search, file_search, mcp...) have nothing here to run them: dropped with a warning, as vLLM drops
-    them (it renders only function tools for the model)."""
-    out, dropped = [], []
-    for i, t in enumerate(tools or []):
-        kind = t.get("type")
-        if kind == "function":
-            out.append(_function(t, t.get("name"), f"tools[{i}]"))
-        elif kind == "namespace" and isinstance(t.get("name"), str) and isinstance(t.get("tools"), list):
-            for j, inner in enumerate(t["tools"]):
-                if inner.get("type") == "function":
-                    out.append(_function(inner, f"{t['name']}{NAMESPACE_SEP}{inner.get('name')}",
-                                         f"tools[{i}].tools[{j}]"))
-                else:
-                    dropped.append(f"{t['name']}.{inner.get('type')}")
-        else:
-            dropped.append(str(kind))
-    if dropped:
-        log.warning("responses: ignoring tools the gateway cannot run: %s", ", ".join(dropped))
-    return out or None
-
-
-def namespaced_names(tools: list[dict] | None) -> dict[str, tuple[str, str]]:
-    """Flat name -> (namespace, name) for the namespace tools of a request: how a call is named back to the client."""
-    out = {}
-    for t in tools or []:
-        if t.get("type") == "namespace" and isinstance(t.get("tools"), list):
-            for inner in t["tools"]:
-                if inner.get("type") == "function":
-                    out[f"{t.get('name')}{NAMESPACE_SEP}{inner.get('name')}"] = (t.get("name"), inner.get("name"))
-    return out
-
-
-def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
-
-
-def _response_format(text: TextConfig | None) -> dict | None:
-    f = text.format if text else None
-    if f is None or f.type == "text":
-        return None
-    if f.type == "json_object":
-        return {"type": "json_object"}
-    if f.schema_ is None:
-        raise InvalidRequest("text.format json_schema needs a schema", param="text.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": f.name, "schema": f.schema_, "strict": f.strict}}
-
-
-def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
-    """The chat request to run: instructions, the stored conversation (`history`), then this request's input."""
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
-    messages += history + input_messages(req.input)
-    if not messages:
-        raise InvalidRequest("input must not be empty", param="input")
-    body = {"model": req.model, "messages": messages, "tools": chat_tools(req.tools),
-            "tool_choice": chat_tool_choice(req.tool_choice), "max_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "response_format": _response_format(req.text),
-            "reasoning_effort": req.effort()}
-    body.update({k: v for k, v in (req.model_extra or {}).items() if k in EXTRA_SAMPLING})
-    return parse_chat_request({k: v for k, v in body.items() if v is not None})
+    return parse(ResponsesRequest, body)

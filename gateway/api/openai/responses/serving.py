@@ -6,13 +6,15 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.api.blocks import Blocks
-from gateway.api.chat_job import prepare
+from gateway.api.chat_job import ChatJob, serve_chat
 from gateway.metrics import RequestRecord
-from gateway.api.serving import GatewayState, endpoint, read_body, run
+from gateway.api.protocol import read_body
+from gateway.api.serving import GatewayState, endpoint
 
 from gateway.api.openai.responses.framing import ResponsesFraming
-from gateway.api.openai.responses.protocol import chat_request, input_messages, parse_responses_request
-from gateway.api.openai.responses.store import STORE, ResponseStore
+from gateway.api.openai.responses.protocol import parse_responses_request
+from gateway.api.openai.responses.store import STORE
+from gateway.api.openai.responses.translate import chat_request, input_messages
 
 
 async def _create(request: web.Request, st: GatewayState, rec: RequestRecord) -> web.StreamResponse:
@@ -20,11 +22,12 @@ async def _create(request: web.Request, st: GatewayState, rec: RequestRecord) ->
     store = request.app[STORE]
     history = store.get(req.previous_response_id).messages if req.previous_response_id else []
     chat = chat_request(req, history)
-    rec.model = st.route(chat.model).id
-    job = await prepare(st, chat)
-    blocks = Blocks(job.reasoning, job.tools, chat.tools)
-    framing = ResponsesFraming(req, blocks, history + input_messages(req.input), None if req.store is False else store)
-    return await run(request, st, rec, job.route, job.prompt, job.sampling, 1, bool(req.stream), framing)
+
+    def framing(job: ChatJob) -> ResponsesFraming:
+        return ResponsesFraming(req, Blocks(job.reasoning, job.tools, chat.tools), history + input_messages(req.input),
+                                None if req.store is False else store)
+
+    return await serve_chat(request, st, rec, chat, framing, stream=bool(req.stream))
 
 
 create_response = endpoint(_create)
@@ -33,10 +36,3 @@ create_response = endpoint(_create)
 async def get_response(request: web.Request) -> web.Response:
     """A stored response, as `responses.retrieve` reads it."""
     return web.json_response(request.app[STORE].get(request.match_info["response_id"], "response_id").response)
-
-
-def add_routes(app: web.Application, store: ResponseStore | None = None) -> None:
-    """The Responses API's routes on the OpenAI app (mounted at /v1), with its store."""
-    app[STORE] = store or ResponseStore()
-    app.router.add_post("/responses", create_response)
-    app.router.add_get("/responses/{response_id}", get_response)

@@ -8,41 +8,15 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.errors import InvalidRequest
-from gateway.text.history import template_messages
-from gateway.api.openai.protocol import Message, parse_model
-from gateway.api.serving import STATE, GatewayState, read_body
-from gateway.text.tokenizer import ChatTokenizer
 from kv_bridge.config import ModelRoute
 
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None  # vLLM serves one model; here it may be left out when the gateway serves one
-    return_token_strs: bool | None = False
-
-
-class TokenizeCompletion(_Body):
-    prompt: str
-    add_special_tokens: bool = True
-
-
-class TokenizeChat(_Body):
-    messages: list[Message] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # the template writes the special tokens
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-class Detokenize(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    tokens: list[int]
+from gateway.api.protocol import parse, read_body
+from gateway.api.serving import STATE, GatewayState
+from gateway.api.tokenize.protocol import Detokenize, TokenizeChat, TokenizeCompletion
+from gateway.errors import InvalidRequest
+from gateway.text.history import template_messages
+from gateway.text.tokenizer import ChatTokenizer
 
 
 def _route(st: GatewayState, model: str | None) -> ModelRoute:
@@ -83,7 +57,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    req = parse_model(TokenizeChat if "messages" in body else TokenizeCompletion, body)
+    req = parse(TokenizeChat if "messages" in body else TokenizeCompletion, body)
     route = _route(st, req.model)
     tok = st.tokenizers[route.id]
     fn = _chat_ids if isinstance(req, TokenizeChat) else _prompt_ids
@@ -96,16 +70,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    req = parse_model(Detokenize, await read_body(request))
+    req = parse(Detokenize, await read_body(request))
     route = _route(st, req.model)
     tok = st.tokenizers[route.id]
     bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
     if bad:
         raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (size {tok.vocab_size})", param="tokens")
     return web.json_response({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
-
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-
