@@ -167,9 +167,10 @@ async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.
     return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts}
 
 
-def await_fidelity(health_url: str, headers: dict, timeout_s: float) -> list[str]:
-    """Blocking (`disagg up`): until the gateway's canary has a verdict for every pair whose nodes are up (at most
-    `timeout_s`; 0: not at all), one line per pair: what the operator should know before the first request."""
+def await_fidelity(health_url: str, headers: dict, timeout_s: float, nodes: set[str]) -> list[str]:
+    """Blocking (`disagg up`): until the gateway's canary has a verdict for every pair of two of `nodes` (the roles
+    this machine runs; at most `timeout_s`, 0: not at all), one line per pair: what the operator should know before
+    the first request."""
     import time
     import urllib.request
 
@@ -177,9 +178,7 @@ def await_fidelity(health_url: str, headers: dict, timeout_s: float) -> list[str
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(urllib.request.Request(health_url, headers=headers), timeout=5) as r:
-                body = json.loads(r.read())
-            up = {n["name"] for n in body.get("nodes", []) if n.get("up")}
-            rows = [r for r in body.get("fidelity", []) if {r["prefill"], r["decode"]} <= up]
+                rows = [r for r in json.loads(r.read()).get("fidelity", []) if {r["prefill"], r["decode"]} <= nodes]
         except (OSError, ValueError, KeyError):
             rows = []
         if all(r["state"] not in ("pending", "checking") for r in rows):

@@ -328,7 +328,8 @@ def _print_ready(settings: Settings, children: list[Child]) -> None:
     from backends.status import await_fidelity
 
     for line in await_fidelity(f"http://{_connect_host(gw.host)}:{gw.port}/health", gw.headers,
-                               settings.fidelity.timeout_s if settings.fidelity.enabled else 0):
+                               settings.fidelity.timeout_s if settings.fidelity.enabled else 0,
+                               {c.name for c in children}):
         print(f"disagg up: {line}", flush=True)
     url = f"http://{_connect_host(gw.host)}:{gw.port}/v1"
     model = settings.models[0].id if settings.models else "smollm2:135m"
