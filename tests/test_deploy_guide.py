@@ -23,6 +23,7 @@ SKIP = [
     (r"^docker run", "no Docker daemon or GPU here (the flags are config check's, tested in test_config_budget)"),
     (r"^alias ", "wraps `docker run` (no daemon here); the disagg commands it stands for run below"),
     (r"^launchctl ", "macOS launchd (the plists are checked in test_deploy_files)"),
+    (r"^scp ", "copies from the site's gateway box (no site network here)"),
     (r"^(KEY=|for m in|curl |echo$|done$)", "needs the running site (make site's e2e tests send both APIs' requests)"),
 ]
 
