@@ -125,6 +125,21 @@ def test_verdict_round_trips_and_says_what_failed():
     assert FidelityConfig().required and FidelityConfig().canary_tokens == 256
 
 
+def test_status_table_shows_each_pair_and_marks_what_is_not_verified():
+    from backends.status import render
+
+    ok = Verdict("m", "p0", "d0", "verified", 1.1e-5, 20, "V", 0.01, "float32", "float32", 136, "4/4", 9.0, kl=1e-6)
+    bad = Verdict("m", "p0", "d1", "failed", 16.0, 0, "V", 0.01, "float32", "float32", 136, "0/4", 9.0, kl=3.1)
+    down = Verdict("m", "p1", "d0", "error", message="node down")
+    lines = render({"nodes": [], "links": [], "fidelity": [ok, bad, down]}).splitlines()
+    (head,) = [ln for ln in lines if "KV FIDELITY" in ln]
+    assert "WORST" in head and "GREEDY" in head and "KL" in head
+    good, failed, gone = (next(ln for ln in lines if f"{v.prefill} -> {v.decode}" in ln) for v in (ok, bad, down))
+    assert good.startswith("   ") and "verified" in good and "V layer 20" in good and "1.1e-05" in good
+    assert failed.startswith("!! ") and "FAILED" in failed and "V layer 0" in failed and "3.1" in failed
+    assert gone.startswith("!! ") and "node down" in gone
+
+
 # ---- the gateway over fake nodes ----
 
 async def _path(c: Cluster) -> str:

@@ -43,9 +43,6 @@ def test_the_session_pair_is_verified_everywhere_an_operator_looks(stack):
     (v,) = json.loads(out.stdout)["fidelity"]
     assert (v["prefill"], v["decode"], v["state"]) == ("prefill-0", "decode-0", "verified")
     assert v["layer"] is not None and v["tensor"] in ("K", "V") and v["error"] < 1e-3
-    table = subprocess.run([sys.executable, "-m", "backends.cli", "status", "--config", str(stack.config),
-                            "--probe-mib", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
-    assert "KV FIDELITY" in table and "prefill-0 -> decode-0" in table and "verified" in table
 
 
 @pytest.fixture(scope="module")

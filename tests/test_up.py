@@ -86,8 +86,9 @@ def _write_config(tmp_path: Path, edit=None) -> tuple[Path, dict]:
             node["kv_port"] = next(ports)
     for m in data["models"]:
         m["path"] = str((ROOT / m["path"]).resolve())
-    # The KV canary as the test stacks run it (tests/stack.py): 136 tokens, not 256, at mlx-cpu's ~16 tokens/s.
-    data["fidelity"] = {"canary_tokens": 136, "greedy_tokens": 4}
+    # The KV canary off: supervision is this module's subject, and each restart would re-run it (~10 s of mlx-cpu);
+    # `disagg up` waiting for the canary's verdicts is test_site_e2e's (backends.site runs the same up()).
+    data["fidelity"] = {"enabled": False}
     if edit:
         edit(data)
     path = tmp_path / "config.toml"
@@ -303,8 +304,7 @@ def test_up_restarts_each_killed_role_and_keeps_serving(tmp_path):
         # Wait on the gateway's view of the prefill node, not on chats: each chat sent while prefill is down is
         # prefilled by MLX on the decode node, CPU the vLLM restart beside it would otherwise have.
         _until(lambda: _gateway_sees_up(url, "prefill-0"), 600, "prefill not back", seen)
-        # Back up, the pair's KV is checked again (the canary) before it carries KV.
-        _until(lambda: _chat(url, "Name a fruit.")[1].get("x-disagg-path") == "disaggregated", 120,
+        _until(lambda: _chat(url, "Name a fruit.")[1].get("x-disagg-path") == "disaggregated", 60,
                "prefill back but not used", seen)
         print(f"prefill: killed -> back and used in {time.monotonic() - t0:.1f}s")
         while not lines.empty():
