@@ -15,7 +15,8 @@ class OllamaShape(ErrorShape):
 
     def body(self, err: APIError) -> dict:
         if isinstance(err, ServerBusy):
-            return {"error": MAX_QUEUE if err.reason == "full" else f"server busy, please try again.  {err.message}"}
+            detail = err.message.removeprefix("server busy: ")
+            return {"error": MAX_QUEUE if err.reason == "full" else f"server busy, please try again.  {detail}"}
         return {"error": f"unauthorized: {err.message}" if err.status == 401 else err.message}
 
     def status(self, err: APIError) -> int:
