@@ -230,3 +230,32 @@ async def test_a_client_that_disconnects_leaves_the_gateways_queue(one_slot, str
     assert c.decode.requests and len(c.decode.requests) == 1  # the one that left never reached a node
     status, _, _ = await c.chat(chat_body(max_tokens=2))
     assert status == 200
+
+
+async def test_disagg_status_shows_the_gateways_queue(one_slot):
+    """`disagg status` reads the queue from the gateway's /health: who waits now, and the waits so far."""
+    from backends import status
+
+    c = one_slot
+    held, gate = await _hold_one(c)
+    waiting = asyncio.create_task(c.chat(chat_body(max_tokens=2)))
+    await c.wait_for(lambda: _true_async(_queue_len(c), 1))
+    port = int(c.url.rsplit(":", 1)[1])
+    s = c.settings.model_copy(update={"gateway": c.settings.gateway.model_copy(update={"port": port})})
+    async with aiohttp.ClientSession() as http:
+        q = await status._queue(http, s)
+    assert q["models"][MODEL_ID]["queued"] == 1 and q["models"][MODEL_ID]["max_queued"] == 512
+    text = status.render({"nodes": [], "links": [], "queue": q})
+    row = next(line for line in text.splitlines() if line.split() and line.split()[0] == MODEL_ID)
+    assert row.split()[1:3] == ["1", "512"]
+    gate.set()
+    await held
+    assert (await waiting)[0] == 200
+    async with aiohttp.ClientSession() as http:
+        q = await status._queue(http, s)
+    assert q["models"] == {} and q["waits"][MODEL_ID]["count"] == 1
+    assert "gateway queue (max wait 300 s)" in status.render({"nodes": [], "links": [], "queue": q})
+
+
+async def _true_async(value, want) -> bool:
+    return await value == want

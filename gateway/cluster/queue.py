@@ -53,6 +53,7 @@ class RequestQueue:
         self._refused = refused or (lambda model, reason: None)  # reason: "full" (max_queued) or "wait" (max_wait_s)
         self._queues: OrderedDict[str, list[_Waiter]] = OrderedDict()  # rotation order: the next model's turn first
         self._seq = itertools.count()
+        self._waits: dict[str, list[float]] = {}  # per model, the requests that queued: [count, total s, max s]
         self._last: dict[str, Busy] = {}  # per model: the busy answer its queue's head met last (why it waits)
 
     def length(self, model: str) -> int:
@@ -89,7 +90,10 @@ class RequestQueue:
             self._remove(waiter)
             if model not in self._queues:
                 self._last.pop(model, None)
-            self._observe(model, time.monotonic() - waiter.since)
+            waited = time.monotonic() - waiter.since
+            w = self._waits.setdefault(model, [0, 0.0, 0.0])
+            w[0], w[1], w[2] = w[0] + 1, w[1] + waited, max(w[2], waited)
+            self._observe(model, waited)
 
     def _met(self, model: str, busy: "Busy", e: RateLimited) -> "Busy":
         busy.met(e, self.retry_after_s)
@@ -144,9 +148,12 @@ class RequestQueue:
             queue[0].wake.set()
 
     def snapshot(self) -> dict:
-        """For /health and `disagg status`: per model with waiters, how many and the oldest's wait so far."""
+        """For /health and `disagg status`: per model with waiters, how many and the oldest's wait so far; per model
+        that ever queued, how many did and their mean and longest wait."""
         now = time.monotonic()
-        return {"max_wait_s": self.cfg.max_wait_s, "models": {
+        waits = {model: {"count": int(n), "mean_s": round(total / n, 3), "max_s": round(most, 3)}
+                 for model, (n, total, most) in self._waits.items()}
+        return {"max_wait_s": self.cfg.max_wait_s, "waits": waits, "models": {
             model: {"queued": len(q), "max_queued": self._max_queued(model),
                     "oldest_wait_s": round(now - min(w.since for w in q), 3)}
             for model, q in self._queues.items()}}
