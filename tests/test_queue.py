@@ -259,3 +259,30 @@ async def test_disagg_status_shows_the_gateways_queue(one_slot):
 
 async def _true_async(value, want) -> bool:
     return await value == want
+
+
+async def test_real_clients_get_their_apis_busy_answer_past_max_queued(empty_config):
+    """The ollama client and the OpenAI SDK, model at max_inflight with no room to queue (max_queued 0): Ollama's 503
+    "server busy" (ollama.ResponseError), OpenAI's 429 (openai.RateLimitError; its own retries off), both with
+    Retry-After. A streaming request refused this way gets the error as its status, before any stream opens."""
+    import ollama
+    import openai
+
+    c = await Cluster(route={"max_inflight": 1, "max_queued": 0}, gateway={"retry_after_s": 4}).start()
+    try:
+        held, gate = await _hold_one(c)
+        with pytest.raises(ollama.ResponseError) as e:
+            await ollama.AsyncClient(host=c.url).generate(MODEL_ID, "x", options={"num_predict": 2})
+        assert e.value.status_code == 503
+        assert e.value.error == "server busy, please try again.  maximum pending requests exceeded"
+        sdk = openai.AsyncOpenAI(base_url=f"{c.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            await sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=2, stream=True)
+        assert e.value.status_code == 429 and e.value.response.headers["Retry-After"] == "4"
+        assert e.value.code == "server_busy"
+        await sdk.close()
+        gate.set()
+        assert (await held)[0] == 200
+    finally:
+        await c.stop()
