@@ -286,3 +286,22 @@ async def test_real_clients_get_their_apis_busy_answer_past_max_queued(empty_con
         assert (await held)[0] == 200
     finally:
         await c.stop()
+
+
+async def test_n_choices_wait_for_all_their_slots_at_once(empty_config):
+    """n=2 with one of the model's 2 slots taken waits holding none (two such requests holding one slot each would
+    wait on each other), and runs when both are free; n above max_inflight could never run: 400."""
+    c = await Cluster(route={"max_inflight": 2}, gateway={"queue": {"poll_s": 0.05}}).start()
+    try:
+        held, gate = await _hold_one(c)
+        pair = asyncio.create_task(c.chat(chat_body(max_tokens=2, n=2)))
+        await c.wait_for(lambda: _true_async(_queue_len(c), 1))
+        assert c.decode.running == 1 and len(c.decode.requests) == 1  # the pair holds no slot while it waits
+        gate.set()
+        assert (await held)[0] == 200
+        status, _, body = await pair
+        assert status == 200 and len(body["choices"]) == 2
+        status, _, body = await c.chat(chat_body(max_tokens=2, n=3))
+        assert status == 400 and body["error"]["param"] == "n" and "max_inflight" in body["error"]["message"]
+    finally:
+        await c.stop()

@@ -25,7 +25,7 @@ import aiohttp
 from kv_bridge.config import ModelRoute, Settings
 from kv_bridge.protocol import SEED_SPACE, DoneLine, Fallback, Sampling, TokenLine
 
-from gateway.errors import NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
+from gateway.errors import InvalidRequest, NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
 from gateway.cluster.attempt import Attempt, GenerationStream
 from gateway.cluster.failover import Resumable
 from gateway.cluster.admission import Admission, Ticket
@@ -129,25 +129,39 @@ class Orchestrator:
             m.admission_tokens.labels(node, "inflight").set(gate.inflight_tokens)
             m.admission_tokens.labels(node, "queued").set(gate.queued_tokens)
 
-    async def start(self, route: ModelRoute, prompt: Prompt, sampling: Sampling,
-                    waiting: Waiting | None = None) -> GenerationStream:
-        """Open a generation (`_start`), waiting in the model's queue while the model or its pool is only busy;
-        ServerBusy past the queue's bounds, 503 when nothing can serve."""
-        return await self.queue.run(route.id, lambda: self._start(route, prompt, sampling), waiting)
+    async def start(self, route: ModelRoute, prompt: Prompt, samplings: list[Sampling],
+                    waiting: Waiting | None = None) -> list[GenerationStream]:
+        """One generation per sampling (a request's n choices), opened together (`_start`), the request waiting in
+        the model's queue while the model or its pool is only busy; ServerBusy past the queue's bounds, 503 when
+        nothing can serve. All or none: a request holding some choices' slots while it waits for the others' could
+        wait on itself."""
+        limit, need = route.max_inflight, len(samplings)
+        if limit is not None and need > limit:
+            raise InvalidRequest(f"{need} choices need more generations at once than model {route.id!r} runs (its "
+                                 f"max_inflight is {limit})", param="n")
+        return await self.queue.run(route.id, lambda: self._start(route, prompt, samplings), waiting)
 
-    async def _start(self, route: ModelRoute, prompt: Prompt, sampling: Sampling) -> GenerationStream:
-        """The conversation's decode node or the least-loaded one, then the next on failure, then the upstream;
-        RateLimited at the model's limit or when every node is full, 503 when nothing can serve."""
-        limit, model = route.max_inflight, route.id
+    async def _start(self, route: ModelRoute, prompt: Prompt, samplings: list[Sampling]) -> list[GenerationStream]:
+        """Each choice on the conversation's decode node or the least-loaded one, then the next on failure, then the
+        upstream; RateLimited at the model's limit or when every node is full (no choice kept open), 503 when
+        nothing can serve."""
+        limit, model, need = route.max_inflight, route.id, len(samplings)
         # Requests still opening (waiting for prefill admission) count too, so a queue let loose keeps the limit.
-        if limit is not None and self.inflight.get(model, 0) + self._starting.get(model, 0) >= limit:
+        if limit is not None and self.inflight.get(model, 0) + self._starting.get(model, 0) + need > limit:
             raise RateLimited(f"model {model!r} has {limit} generations in flight (its max_inflight); retry in "
                               f"{self.retry_after_s}s", self.retry_after_s)
-        self._starting[model] = self._starting.get(model, 0) + 1
+        self._starting[model] = self._starting.get(model, 0) + need
         try:
-            return await self._open(route, prompt, sampling)
+            results = await asyncio.gather(*(self._open(route, prompt, s) for s in samplings), return_exceptions=True)
         finally:
-            self._starting[model] -= 1
+            self._starting[model] -= need
+        gens = [r for r in results if not isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.close() for g in gens))
+            # Busy only if every failure was: then the request waits and retries all of them.
+            raise next((e for e in errors if not isinstance(e, RateLimited)), errors[0])
+        return gens
 
     async def _open(self, route: ModelRoute, prompt: Prompt, sampling: Sampling) -> GenerationStream:
         prefix = self.affinity.hashes(route.id, prompt.ids)
@@ -275,16 +289,8 @@ class Choices:
         return len(self.samplings)
 
     async def start(self) -> None:
-        """Open every generation; if any cannot start, close the others and raise its error."""
-        results = await asyncio.gather(
-            *(self._orch.start(self.route, self.prompt, s, self.waiting) for s in self.samplings),
-            return_exceptions=True
-        )
-        self.gens = [r for r in results if not isinstance(r, BaseException)]
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.close()
-            raise errors[0]
+        """Open every generation, together (Orchestrator.start); if any cannot start, none is kept and its error raised."""
+        self.gens = await self._orch.start(self.route, self.prompt, self.samplings, self.waiting)
 
     @property
     def first(self) -> GenerationStream:
