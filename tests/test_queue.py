@@ -165,6 +165,7 @@ async def _queue_len(c: Cluster) -> int:
     ("/v1/chat/completions", chat_body(max_tokens=4), b": queued\n\n"),
     ("/v1/messages", {"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
      b": queued\n\n"),
+    ("/v1/responses", {"model": MODEL_ID, "input": "x", "max_output_tokens": 4}, b": queued\n\n"),
     ("/api/chat", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "options": {"num_predict": 4}},
      None),
 ])
@@ -186,6 +187,8 @@ async def test_a_queued_stream_opens_at_once_and_stays_valid(one_slot, path, bod
         assert lines[-1]["done"] is True and all("error" not in x for x in lines)
     elif path == "/v1/messages":
         assert "event: message_start" in rest and "event: message_stop" in rest and "event: error" not in rest
+    elif path == "/v1/responses":
+        assert "event: response.created" in rest and "event: response.completed" in rest and "event: error" not in rest
     else:
         assert rest.rstrip().endswith("data: [DONE]") and '"error"' not in rest
 
