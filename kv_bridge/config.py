@@ -22,7 +22,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kv_bridge.config_gateway import AdmissionConfig, GatewayConfig, QueueConfig, RatesConfig  # noqa: F401  (re-exported)
+from kv_bridge.config_gateway import (  # noqa: F401  (re-exported)
+    AdmissionConfig, GatewayConfig, QueueConfig, RatesConfig)
 from kv_bridge.config_machines import MachineFields, ModelSizes
 from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
 from kv_bridge.fidelity import FidelityConfig

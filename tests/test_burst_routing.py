@@ -1,5 +1,6 @@
 """Bursts with fake nodes: the KV deadline counts no-progress time, the gateway queues prefill work per node (past its
-queue the request waits in the gateway's request queue, then 429 with Retry-After), chooses the path by predicted time to first token, and falls back at once on failure.
+queue the request waits in the gateway's request queue, then 429 with Retry-After), chooses the path by predicted
+time to first token, and falls back at once on failure.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fallbacks in order, each with a node stopped or failing on purpose (fake nodes, real HTTP): another decode node,
 another prefill node, decode-local prefill, the upstream (through litellm, against a fake OpenAI-compatible server),
-then 503; and at capacity the gateway's queue, then each API's busy answer with Retry-After. Each step shows in x-disagg-path / x-disagg-fallbacks and in
-disagg_fallbacks_total{reason}.
+then 503; and at capacity the gateway's queue, then each API's busy answer with Retry-After. Each step shows in
+x-disagg-path / x-disagg-fallbacks and in disagg_fallbacks_total{reason}.
 """
 
 from __future__ import annotations

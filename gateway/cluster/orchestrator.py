@@ -289,7 +289,8 @@ class Choices:
         return len(self.samplings)
 
     async def start(self) -> None:
-        """Open every generation, together (Orchestrator.start); if any cannot start, none is kept and its error raised."""
+        """Open every generation, together (Orchestrator.start); if any cannot start, none is kept and its error is
+        raised."""
         self.gens = await self._orch.start(self.route, self.prompt, self.samplings, self.waiting)
 
     @property
