@@ -149,6 +149,10 @@ class RequestRecord:
         self._last_token: float | None = None
         self._finished = False
 
+    def arrived(self, model: str) -> None:
+        """The request's model is known; it may still wait in the gateway's queue (not running yet)."""
+        self.model = model
+
     def started(self, model: str) -> None:
         self.model = model
         self._running = True

@@ -240,6 +240,7 @@ async def test_model_at_max_inflight_queues_then_each_api_answers_busy_past_max_
     waiting = asyncio.create_task(c.chat(chat_body(max_tokens=2)))
     await _queued(c, 1)
     assert await c.metric("disagg_queue_length", model=MODEL_ID) == 1
+    assert await c.metric("disagg_requests_running", model=MODEL_ID) == 1  # waiting is not running
     status, headers, body = await c.chat(chat_body())
     assert status == 429
     assert headers["Retry-After"] == "3"

@@ -98,13 +98,14 @@ async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route:
     waiting = Waiting(gone=lambda: request.transport is None or request.transport.is_closing(),
                       queued=early.open if early is not None else None)
     choices = Choices(st.orchestrator, route, prompt, per_choice(sampling, n), waiting)
-    rec.started(route.id)
+    rec.arrived(route.id)
     try:
         await choices.start()
     except APIError as e:
         if early is None or early.resp is None:
             raise
         return await early.fail(e, rec)
+    rec.started(route.id)  # disagg_requests_running counts it from here, not while it waited
     rec.path = choices.first.planned_path
     try:
         if stream:
