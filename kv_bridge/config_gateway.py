@@ -36,7 +36,7 @@ class QueueConfig(BaseModel):
     decode node full, the prefill admission queue full) waits, as Ollama's requests do, rather than being refused."""
 
     max_queued: int = Field(default=512, ge=0, description="requests waiting per model (Ollama's OLLAMA_MAX_QUEUE "
-                            "default); more get the API's busy answer (Ollama 503, OpenAI/Anthropic 429)")
+                            "default); more get the API's busy answer (Ollama 503, OpenAI/Anthropic 429); 0: no queue")
     # The site's app gives up after 300 s: waiting as long as the client does never refuses a request it still waits
     # for, and one it abandoned leaves the queue when it disconnects; the limit only bounds clients that never give up.
     max_wait_s: float = Field(default=300.0, gt=0, description="longest a request waits for its turn; then the API's "
