@@ -143,6 +143,17 @@ async def _fidelity(http, s: Settings, up: set[str], headers: dict) -> list[Verd
     return out
 
 
+async def _queue(http, s: Settings) -> dict | None:
+    """The gateway's request queue from its /health (gateway/cluster/queue.py); None when no gateway answers."""
+    keys = s.auth.client_keys()
+    gw = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    try:
+        async with http.get(f"http://{s.gateway.host}:{s.gateway.port}/health", headers=gw) as r:
+            return (await r.json()).get("queue")
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+        return None
+
+
 async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0, fidelity: bool = True) -> dict:
     """Every node's status, fingerprint consensus, (when probe_bytes > 0) every up pair's KV link and (`fidelity`)
     every pair's KV fidelity."""
@@ -164,7 +175,8 @@ async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.
                         else:
                             links.append(LinkStatus(m.id, p, d, error="node down"))
         verdicts = await _fidelity(http, s, up, headers) if fidelity else []
-    return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts}
+        queue = await _queue(http, s)
+    return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts, "queue": queue}
 
 
 def await_fidelity(health_url: str, headers: dict, timeout_s: float, nodes: set[str]) -> list[str]:
@@ -220,6 +232,17 @@ def render(result: dict, color: bool = False) -> str:
                          f"{v.tolerance:g}" if figs else "-", v.greedy or "-",
                          "-" if v.kl is None else f"{v.kl:.2g}", (v.message or "-")[:100]))
         lines += [""] + _table(rows, flag=lambda r: r[2] != "verified", mark=red)
+    if result.get("queue") is not None:
+        q = result["queue"]
+        rows = [("MODEL", "WAITING", "MAX QUEUED", "OLDEST WAIT s", "QUEUED SO FAR", "MEAN WAIT s", "LONGEST WAIT s")]
+        for model in sorted(q["models"].keys() | q.get("waits", {}).keys()):
+            now, past = q["models"].get(model, {}), q.get("waits", {}).get(model, {})
+            rows.append((model, str(now.get("queued", 0)), str(now.get("max_queued", "-")),
+                         f"{now['oldest_wait_s']:.1f}" if now else "-", str(past.get("count", 0)),
+                         f"{past['mean_s']:.1f}" if past else "-", f"{past['max_s']:.1f}" if past else "-"))
+        lines += ["", f"   gateway queue (max wait {q['max_wait_s']:g} s)" + ("" if len(rows) > 1 else ": empty")]
+        if len(rows) > 1:
+            lines += _table(rows, flag=lambda r: False, mark=red)
     return "\n".join(lines)
 
 
@@ -235,7 +258,7 @@ def _table(rows: list[tuple], flag, mark) -> list[str]:
 def to_json(result: dict) -> dict:
     return {"nodes": [asdict(n) for n in result["nodes"]], "consensus": result["consensus"],
             "links": [{**asdict(l), "gbit_s": l.gbit_s} for l in result["links"]],
-            "fidelity": [v.to_json() for v in result.get("fidelity", [])]}
+            "fidelity": [v.to_json() for v in result.get("fidelity", [])], "queue": result.get("queue")}
 
 
 def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0,

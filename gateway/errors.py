@@ -78,6 +78,17 @@ class RateLimited(APIError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
+class ServerBusy(RateLimited):
+    """Past the gateway's queue: `max_queued` requests already wait for the model, or this one waited `max_wait_s`.
+    OpenAI and Anthropic answer it 429, Ollama 503 "server busy" (its answer when OLLAMA_MAX_QUEUE is full)."""
+
+    code = "server_busy"
+
+    def __init__(self, message: str, retry_after_s: int, reason: str = "full") -> None:
+        super().__init__(message, retry_after_s)
+        self.reason = reason  # "full": max_queued already wait; "wait": this one waited max_wait_s
+
+
 class UpstreamError(APIError):
     """A node failed or broke the protocol after we reached it."""
 

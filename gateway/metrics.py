@@ -12,6 +12,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # LLM latencies run from a few ms (one decode step) to a minute (a long prompt on a busy node).
+QUEUE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 180.0, 240.0, 300.0)  # up to max_wait_s's default
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
@@ -89,6 +90,17 @@ class Metrics:
             "disagg_admission_tokens", "Prompt tokens per prefill node, in flight in it or queued in the gateway",
             ["node", "state"], registry=r,
         )
+        # The gateway's request queue (gateway/cluster/queue.py): busy models make requests wait, as Ollama does.
+        self.queue_length = Gauge("disagg_queue_length", "Requests waiting in the gateway's queue for their model",
+                                  ["model"], registry=r)
+        self.queue_wait = Histogram(
+            "disagg_queue_wait_seconds", "Time a queued request waited in the gateway's queue (whatever its outcome)",
+            ["model"], buckets=QUEUE_BUCKETS, registry=r,
+        )
+        self.queue_refused = Counter(
+            "disagg_queue_refused", "Requests given the busy answer: queue full (max_queued) or waited max_wait_s",
+            ["model", "reason"], registry=r,
+        )
         # The KV fidelity canary per (model, prefill, decode) pair (gateway/cluster/fidelity.py).
         self.fidelity = Gauge("disagg_kv_fidelity", "KV fidelity of a prefill -> decode pair: 1 verified, 0 failed, "
                               "-1 not verified yet (or the canary could not run)", ["model", "prefill", "decode"],
@@ -104,6 +116,12 @@ class Metrics:
                 self.fallbacks.labels(model, reason)
             for outcome in AFFINITY_OUTCOMES:
                 self.affinity.labels(model, outcome)
+            self.queue_length.labels(model)
+            for reason in ("full", "wait"):
+                self.queue_refused.labels(model, reason)
+
+    def queue_waited(self, model: str, seconds: float) -> None:
+        self.queue_wait.labels(model).observe(seconds)
 
     def fallback(self, model: str, reason: str) -> None:
         if reason not in FALLBACK_REASONS:  # a node's unknown fallback_reason must not grow the label set
@@ -130,6 +148,10 @@ class RequestRecord:
         self._running = False
         self._last_token: float | None = None
         self._finished = False
+
+    def arrived(self, model: str) -> None:
+        """The request's model is known; it may still wait in the gateway's queue (not running yet)."""
+        self.model = model
 
     def started(self, model: str) -> None:
         self.model = model

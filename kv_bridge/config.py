@@ -22,7 +22,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kv_bridge.config_gateway import AdmissionConfig, GatewayConfig, RatesConfig  # noqa: F401  (re-exported)
+from kv_bridge.config_gateway import (  # noqa: F401  (re-exported)
+    AdmissionConfig, GatewayConfig, QueueConfig, RatesConfig)
 from kv_bridge.config_machines import MachineFields, ModelSizes
 from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
 from kv_bridge.fidelity import FidelityConfig
@@ -85,7 +86,9 @@ class ModelRoute(ModelSizes):
     min_disagg_tokens: int = Field(default=3, ge=1, description="a KV range (prompt minus its last token) shorter "
                                    "than this is prefilled on the decode node")
     max_inflight: int | None = Field(default=None, ge=1, description="most generations (one per choice) of this "
-                                     "model in flight at the gateway; more are answered 429 (None: no limit)")
+                                     "model in flight at the gateway; more wait in its queue (None: no limit)")
+    max_queued: int | None = Field(default=None, ge=0, description="requests of this model waiting in the gateway's "
+                                   "queue; more get the API's busy answer (None: [gateway.queue] max_queued, 512)")
     upstream: UpstreamConfig | None = Field(default=None, description="where requests go when no decode node can "
                                             "serve (litellm); None: answer 503")
     aliases: list[str] = Field(default_factory=list, description="other names clients use for this model, e.g. "

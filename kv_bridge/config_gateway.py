@@ -31,6 +31,20 @@ class AdmissionConfig(BaseModel):
                                    "more are answered 429 with a Retry-After computed from the queue and its rate")
 
 
+class QueueConfig(BaseModel):
+    """The gateway's request queue (gateway/cluster/queue.py): a request that finds its model busy (max_inflight, every
+    decode node full, the prefill admission queue full) waits, as Ollama's requests do, rather than being refused."""
+
+    max_queued: int = Field(default=512, ge=0, description="requests waiting per model (Ollama's OLLAMA_MAX_QUEUE "
+                            "default); more get the API's busy answer (Ollama 503, OpenAI/Anthropic 429); 0: no queue")
+    # The site's app gives up after 300 s: waiting as long as the client does never refuses a request it still waits
+    # for, and one it abandoned leaves the queue when it disconnects; the limit only bounds clients that never give up.
+    max_wait_s: float = Field(default=300.0, gt=0, description="longest a request waits for its turn; then the API's "
+                              "busy answer (in-stream error for a stream already opened)")
+    poll_s: float = Field(default=1.0, gt=0, description="the head of a model's queue retries this often even when "
+                          "no generation ended (a decode node's KV capacity frees without the gateway seeing it)")
+
+
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -47,3 +61,4 @@ class GatewayConfig(BaseModel):
                                    "while it ran: the node is stalled, not busy (a busy node answers the calls ahead)")
     rates: RatesConfig = RatesConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    queue: QueueConfig = QueueConfig()

@@ -1,5 +1,6 @@
-"""Bursts with fake nodes: the KV deadline counts no-progress time, the gateway queues prefill work per node (429 with
-Retry-After past its queue), chooses the path by predicted time to first token, and falls back at once on failure.
+"""Bursts with fake nodes: the KV deadline counts no-progress time, the gateway queues prefill work per node (past its
+queue the request waits in the gateway's request queue, then 429 with Retry-After), chooses the path by predicted
+time to first token, and falls back at once on failure.
 """
 
 from __future__ import annotations
@@ -76,9 +77,13 @@ async def test_queued_work_is_not_a_timeout(empty_config):
         await c.stop()
 
 
-async def test_queue_full_is_429_with_retry_after_from_the_queue(empty_config):
+async def test_full_prefill_queue_waits_in_the_gateway_then_busy_with_retry_after_from_it(empty_config):
+    """The prefill admission queue full: a request waits in the gateway's queue (issue 33: it used to be answered 429
+    at once) and is served when the prefill node frees; with no room left in the gateway's queue either
+    (max_queued 0) it is answered 429, its Retry-After computed from the admission queue and the node's rate."""
     c = await Cluster(gateway={"admission": {"max_inflight_tokens": 1, "max_queued_tokens": 100},
-                               "rates": {"prefill_tokens_per_s": 10.0, "local_prefill_tokens_per_s": 1.0}}).start()
+                               "rates": {"prefill_tokens_per_s": 10.0, "local_prefill_tokens_per_s": 1.0},
+                               "queue": {"poll_s": 0.1}}, route={"max_queued": 1}).start()
     try:
         gate = c.prefill.hold = asyncio.Event()  # the first prefill computes until the test lets it go
         first = [asyncio.create_task(c.chat(distinct(i))) for i in range(2)]  # one in flight, one queued
@@ -88,13 +93,21 @@ async def test_queue_full_is_429_with_retry_after_from_the_queue(empty_config):
 
         await c.wait_for(queued)
         assert waiting_for_prefill(await health(c)) == [1]  # the queued one, bound for it: the cost model's arrivals
-        status, headers, err = await c.chat(distinct(9))
+        third = asyncio.create_task(c.chat(distinct(9)))
+
+        async def in_gateway_queue() -> bool:
+            return (await health(c))["queue"]["models"].get(MODEL_ID, {}).get("queued") == 1
+
+        await c.wait_for(in_gateway_queue)
+        status, headers, err = await c.chat(distinct(10))  # max_queued 1: the gateway's queue is full too
         assert status == 429, err
+        assert err["error"]["code"] == "server_busy" and "prompt tokens queued" in err["error"]["message"]
         # ~140 prompt tokens ahead at the 10 tok/s prior: about 14 s, not the 1 s default
         assert int(headers["Retry-After"]) >= 10
         gate.set()
-        assert [r[0] for r in await asyncio.gather(*first)] == [200, 200]
+        assert [r[0] for r in await asyncio.gather(*first, third)] == [200, 200, 200]
         assert waiting_for_prefill(await health(c)) == [0]
+        assert (await health(c))["queue"]["models"] == {}
     finally:
         await c.stop()
 

@@ -1,7 +1,7 @@
 """Fallbacks in order, each with a node stopped or failing on purpose (fake nodes, real HTTP): another decode node,
 another prefill node, decode-local prefill, the upstream (through litellm, against a fake OpenAI-compatible server),
-then 503; and 429 with Retry-After at capacity. Each step shows in x-disagg-path / x-disagg-fallbacks and in
-disagg_fallbacks_total{reason}.
+then 503; and at capacity the gateway's queue, then each API's busy answer with Retry-After. Each step shows in
+x-disagg-path / x-disagg-fallbacks and in disagg_fallbacks_total{reason}.
 """
 
 from __future__ import annotations
@@ -224,32 +224,61 @@ async def _running(c: Cluster, n: int) -> bool:
     return sum(d.running for d in c.decoders) >= n
 
 
-async def test_model_at_max_inflight_answers_429_with_retry_after(make_cluster):
-    c = await make_cluster(route={"max_inflight": 1}, gateway={"retry_after_s": 3})
+async def _queued(c: Cluster, n: int) -> None:
+    async def check() -> bool:
+        async with c.http.get(f"{c.url}/health") as r:
+            return (await r.json())["queue"]["models"].get(MODEL_ID, {}).get("queued", 0) == n
+    await c.wait_for(check)
+
+
+async def test_model_at_max_inflight_queues_then_each_api_answers_busy_past_max_queued(make_cluster):
+    """Issue 33: at max_inflight a request waits in the gateway's queue (it used to be answered 429 at once), and is
+    served when the generation ahead ends; past max_queued each API's busy answer with Retry-After: OpenAI 429,
+    Anthropic 429 rate_limit_error, Ollama 503 with its own "server busy" words."""
+    c = await make_cluster(route={"max_inflight": 1, "max_queued": 1}, gateway={"retry_after_s": 3})
     held, gate = await _hold(c, 1)
+    waiting = asyncio.create_task(c.chat(chat_body(max_tokens=2)))
+    await _queued(c, 1)
+    assert await c.metric("disagg_queue_length", model=MODEL_ID) == 1
+    assert await c.metric("disagg_requests_running", model=MODEL_ID) == 1  # waiting is not running
     status, headers, body = await c.chat(chat_body())
     assert status == 429
     assert headers["Retry-After"] == "3"
-    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["type"] == "requests"
+    assert body["error"]["code"] == "server_busy" and body["error"]["type"] == "requests"
+    assert "max_queued" in body["error"]["message"] and "max_inflight" in body["error"]["message"]
     status, headers, body = await c.post("/api/chat", {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}]})
-    assert status == 429 and headers["Retry-After"] == "3" and isinstance(body["error"], str)
-    assert await fallbacks(c, "no_capacity") == 2
-    assert await c.metric("disagg_requests_total", model=MODEL_ID, path="none", status="4xx") == 2
+    assert status == 503 and headers["Retry-After"] == "3"
+    assert body == {"error": "server busy, please try again.  maximum pending requests exceeded"}
+    status, headers, body = await c.post("/v1/messages", {"model": MODEL_ID, "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "x"}]})
+    assert status == 429 and headers["Retry-After"] == "3"
+    assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+    assert await fallbacks(c, "no_capacity") == 3
+    assert await c.metric("disagg_queue_refused_total", model=MODEL_ID, reason="full") == 3
+    assert await c.metric("disagg_requests_total", model=MODEL_ID, path="none", status="4xx") == 3
+    assert not waiting.done()
     gate.set()
     for t in held:
         assert (await t)[0] == 200
+    status, headers, _ = await waiting
+    assert status == 200 and "x-disagg-path" in headers
+    assert await c.metric("disagg_queue_wait_seconds_count", model=MODEL_ID) == 1
+    assert await c.metric("disagg_queue_length", model=MODEL_ID) == 0
     status, _, _ = await c.chat(chat_body(max_tokens=2))  # capacity is back
     assert status == 200
 
 
-async def test_full_decode_nodes_spill_to_upstream_or_429(make_cluster):
+async def test_full_decode_nodes_spill_to_upstream_or_queue(make_cluster):
+    """Every decode node at its max_inflight: the upstream when there is one, else the request waits its turn (issue
+    33: it used to be answered 429)."""
     c = await make_cluster(nodes_extra={"decode-0": {"max_inflight": 1}})
     held, gate = await _hold(c, 1)
-    status, headers, body = await c.chat(chat_body())
-    assert status == 429 and headers["Retry-After"] == "1"
-    assert "max_inflight" in body["error"]["message"]
+    waiting = asyncio.create_task(c.chat(chat_body()))
+    await _queued(c, 1)
     gate.set()
     await asyncio.gather(*held)
+    status, headers, body = await waiting
+    assert status == 200 and headers["x-disagg-decode-node"] == "decode-0", body
 
     up = await make_cluster(upstream=True, nodes_extra={"decode-0": {"max_inflight": 1}})
     held, gate = await _hold(up, 1)
@@ -305,15 +334,24 @@ async def test_decode_node_over_its_kv_cap_hands_the_request_to_the_next(make_cl
     assert nodes["decode-0"]["up"] is True
 
 
-async def test_every_decode_node_over_its_kv_cap_answers_429(make_cluster):
-    c = await make_cluster(gateway={"retry_after_s": 2})
+async def test_every_decode_node_over_its_kv_cap_waits_then_is_served_or_busy(make_cluster):
+    """Every decode node answering 429 kv_capacity: the request waits in the gateway's queue and retries (issue 33: it
+    used to be answered 429 at once); served once a node has room, the API's busy answer after max_wait_s."""
+    c = await make_cluster(gateway={"retry_after_s": 2, "queue": {"max_wait_s": 0.5, "poll_s": 0.05}})
     c.decode.mode = "kv_capacity"
     status, headers, body = await c.chat(chat_body(LONG_TEXT, max_tokens=8))
     assert status == 429 and headers["Retry-After"] == "2"
-    assert body["error"]["code"] == "rate_limit_exceeded" and "in-flight KV cap" in body["error"]["message"]
-    assert await fallbacks(c, "decode_node_busy") == 1 and await fallbacks(c, "no_capacity") == 1
+    assert body["error"]["code"] == "server_busy" and "in-flight KV cap" in body["error"]["message"]
+    assert "max_wait_s" in body["error"]["message"]
+    assert await fallbacks(c, "decode_node_busy") >= 2 and await fallbacks(c, "no_capacity") == 1
+    assert await c.metric("disagg_queue_refused_total", model=MODEL_ID, reason="wait") == 1
     status, _, _ = await c.chat(chat_body("hi", max_tokens=2))  # below the split threshold: no KV, served
     assert status == 200
+    waiting = asyncio.create_task(c.chat(chat_body(LONG_TEXT, max_tokens=8)))
+    await _queued(c, 1)
+    c.decode.mode = None  # its KV freed where the gateway cannot see it: the queue's poll finds it
+    status, _, body = await waiting
+    assert status == 200, body
 
 
 async def test_upstream_gets_the_format(make_cluster):

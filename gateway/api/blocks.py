@@ -107,6 +107,7 @@ class BlockFraming(Framing):
     events), `body`, `opening`, `closing`, `error`."""
 
     stream_headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    waiting = b": queued\n\n"
 
     def __init__(self, blocks: Blocks) -> None:
         self.blocks = blocks

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from kv_bridge.protocol import DoneLine, TokenLine
 
-from gateway.errors import APIError, ClientDisconnected
+from gateway.errors import APIError, ClientDisconnected, status_class
 from gateway.metrics import RequestRecord
 from gateway.cluster.orchestrator import Choices
 
@@ -27,6 +27,9 @@ class Framing:
     fails after the headers went out."""
 
     stream_headers: dict[str, str] = {}
+    # Written when a stream opens before its first token (the request waits in the gateway's queue): SSE allows a
+    # comment line, which every SSE client skips; NDJSON has no such line, so Ollama's stream shows headers only.
+    waiting: bytes = b""
 
     def encode(self, frame: Frame) -> bytes:
         raise NotImplementedError
@@ -85,16 +88,51 @@ async def complete(request: web.Request, choices: Choices, framing: Framing, rec
     return web.json_response(framing.body(_dones(choices)), headers=choices.first.headers())
 
 
-async def stream(request: web.Request, choices: Choices, framing: Framing, rec: RequestRecord) -> web.StreamResponse:
-    """Frames as the tokens arrive; the request's outcome is recorded here (the headers went out before it)."""
+class EarlyStream:
+    """A streaming request's response opened before its generation starts, because it waits in the gateway's queue:
+    the client has its headers (`x-disagg-queued: true`) at once and its first token when the request runs."""
+
+    def __init__(self, request: web.Request, framing: Framing) -> None:
+        self.request, self.framing = request, framing
+        self.resp: web.StreamResponse | None = None
+
+    async def open(self) -> None:
+        if self.resp is not None:  # one response for all n choices
+            return
+        self.resp = web.StreamResponse(headers={**self.framing.stream_headers, "x-disagg-queued": "true"})
+        try:
+            await self.resp.prepare(self.request)
+            if self.framing.waiting:
+                await self.resp.write(self.framing.waiting)
+        except ConnectionResetError:
+            raise ClientDisconnected("client closed the connection while its request was queued") from None
+
+    async def fail(self, err: APIError, rec: RequestRecord) -> web.StreamResponse:
+        """The request never started (busy past the queue's bounds, client gone): its error in the stream's framing."""
+        assert self.resp is not None
+        with contextlib.suppress(ConnectionResetError):
+            if not isinstance(err, ClientDisconnected):
+                for frame in self.framing.error(err):
+                    await self.resp.write(self.framing.encode(frame))
+            await self.resp.write_eof()
+        rec.finish("cancelled" if isinstance(err, ClientDisconnected) else status_class(err.status))
+        return self.resp
+
+
+async def stream(request: web.Request, choices: Choices, framing: Framing, rec: RequestRecord,
+                 resp: web.StreamResponse | None = None) -> web.StreamResponse:
+    """Frames as the tokens arrive; the request's outcome is recorded here (the headers went out before it).
+    `resp`: the response already opened while the request was queued (EarlyStream)."""
     gen = choices.first
-    resp = web.StreamResponse(headers={**framing.stream_headers, "x-disagg-path": str(gen.planned_path),
-                                       "x-disagg-decode-node": gen.decode.name})
-    try:
-        await resp.prepare(request)
-    except ConnectionResetError:
-        status = "cancelled"
-    else:
+    status = ""
+    if resp is None:
+        resp = web.StreamResponse(headers={**framing.stream_headers, "x-disagg-path": str(gen.planned_path),
+                                           "x-disagg-decode-node": gen.decode.name})
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            status = "cancelled"
+    if not status:
         status = await _relay(resp, choices, framing, rec)
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()

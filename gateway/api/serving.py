@@ -21,6 +21,7 @@ from gateway.metrics import Metrics, RequestRecord
 from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
 from gateway.cluster.orchestrator import Choices, Orchestrator, per_choice
+from gateway.cluster.queue import Waiting
 from gateway.text.reasoning import gate_grammar, parser_name
 from gateway.api.relay import Framing
 from gateway.api.openai.framing import TokenPieces
@@ -91,13 +92,24 @@ async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route:
         tail = tok.decode(prompt.ids[-8:], skip_special_tokens=False)
         sampling = replace(sampling, grammar=gate_grammar(sampling.grammar,
                                                           parser_name(route.reasoning_parser, tok.model_type), tail))
-    choices = Choices(st.orchestrator, route, prompt, per_choice(sampling, n))
-    rec.started(route.id)
-    await choices.start()
+    # A busy model makes the request wait in the gateway's queue: it leaves when its client goes, and a stream opens
+    # at once (gateway.api.relay.EarlyStream).
+    early = relay.EarlyStream(request, framing) if stream else None
+    waiting = Waiting(gone=lambda: request.transport is None or request.transport.is_closing(),
+                      queued=early.open if early is not None else None)
+    choices = Choices(st.orchestrator, route, prompt, per_choice(sampling, n), waiting)
+    rec.arrived(route.id)
+    try:
+        await choices.start()
+    except APIError as e:
+        if early is None or early.resp is None:
+            raise
+        return await early.fail(e, rec)
+    rec.started(route.id)  # disagg_requests_running counts it from here, not while it waited
     rec.path = choices.first.planned_path
     try:
         if stream:
-            return await relay.stream(request, choices, framing, rec)
+            return await relay.stream(request, choices, framing, rec, early.resp if early is not None else None)
         return await relay.complete(request, choices, framing, rec)
     finally:
         await choices.close()

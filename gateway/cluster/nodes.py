@@ -10,7 +10,7 @@ import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import aiohttp
 
@@ -199,8 +199,9 @@ class Lease:
 
     def __init__(self, admitted: dict[str, int], model_id: str, node: NodeState | None,
                  affinity: PrefixAffinity | None = None, prefix: list[bytes] | None = None,
-                 local_tokens: int = 0) -> None:
+                 local_tokens: int = 0, on_release: Callable[[], None] | None = None) -> None:
         self._admitted, self.model_id, self.node = admitted, model_id, node
+        self._on_release = on_release  # the request queue's notify: capacity freed
         self._affinity, self._prefix = affinity, prefix or []
         self._held = True
         self.local_tokens = local_tokens if node is not None else 0
@@ -220,3 +221,5 @@ class Lease:
             self.node.local_tokens -= self.local_tokens
             if finished and self._affinity is not None:
                 self._affinity.remember(self._prefix, self.node.name)
+        if self._on_release is not None:
+            self._on_release()

@@ -7,8 +7,9 @@ in order, each counted in disagg_fallbacks_total{reason} and listed in x-disagg-
 one refuses or fails before its stream starts (decode_node_failed), or when its stream breaks after that
 (decode_failover: `Resumable` continues the same stream there); another prefill node when one cannot be reached
 (prefill_node_failed); decode-local prefill when the KV does not arrive (kv_timeout, kv_error, kv_aborted: path
-"fallback"); the model's configured upstream through litellm (upstream: path "upstream"); then 429 when the pool is
-only full, else 503 (no_capacity).
+"fallback"); the model's configured upstream through litellm (upstream: path "upstream"); then, when the pool is only
+full (or the model at its max_inflight, or the prefill admission queue full), the request waits in the gateway's queue
+(gateway/cluster/queue.py) and retries; past the queue's bounds ServerBusy, and 503 when no node is healthy.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import aiohttp
 from kv_bridge.config import ModelRoute, Settings
 from kv_bridge.protocol import SEED_SPACE, DoneLine, Fallback, Sampling, TokenLine
 
-from gateway.errors import NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
+from gateway.errors import InvalidRequest, NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError
 from gateway.cluster.attempt import Attempt, GenerationStream
 from gateway.cluster.failover import Resumable
 from gateway.cluster.admission import Admission, Ticket
@@ -32,6 +33,7 @@ from gateway.cluster.generation import Generation, PrefillRoute
 from gateway.cluster.node_client import NodeClient
 from gateway.cluster.nodes import Lease, NodePool, NodeState, PrefixAffinity
 from gateway.cluster.rates import DISAGGREGATED, Rates, choose_path
+from gateway.cluster.queue import RequestQueue, Waiting
 from gateway.cluster.upstream import Prompt, UpstreamGeneration, check_upstreams
 
 log = logging.getLogger("gateway.cluster.orchestrator")
@@ -58,6 +60,11 @@ class Orchestrator:
         self.prefill_stall_s = gw.prefill_stall_s
         self.affinity = PrefixAffinity(gw.affinity_entries, gw.affinity_block_tokens)
         self.inflight: dict[str, int] = {}  # generations per model, decode and upstream alike
+        self._starting: dict[str, int] = {}  # per model: requests past the max_inflight check, not yet leased
+        self._model_ids = [m.id for m in settings.models]
+        max_queued = {m.id: gw.queue.max_queued if m.max_queued is None else m.max_queued for m in settings.models}
+        self.queue = RequestQueue(gw.queue, lambda model: max_queued.get(model, gw.queue.max_queued),
+                                  self.retry_after_s, self.metrics.queue_waited, self._refused)
         self.rates = Rates(gw.rates)
         self.admission = Admission(gw.admission, lambda node: self.rates.prefill_rate(node).value)
         self.metrics.refreshers.append(self._refresh_metrics)
@@ -67,7 +74,7 @@ class Orchestrator:
 
     def _lease(self, route: ModelRoute, node: NodeState | None, prefix: list[bytes] | None = None,
                local_tokens: int = 0) -> Lease:
-        return Lease(self.inflight, route.id, node, self.affinity, prefix, local_tokens)
+        return Lease(self.inflight, route.id, node, self.affinity, prefix, local_tokens, on_release=self.queue.notify)
 
     def choose_prefill(self, route: ModelRoute, prompt: list[int], decode: NodeState,
                        exclude: list[str] = (), leased: bool = False) -> NodeState | None:
@@ -104,7 +111,11 @@ class Orchestrator:
 
     def snapshot(self) -> dict:
         """For /health: the learned rates and each prefill node's admission state."""
-        return {"rates": self.rates.snapshot(), "admission": self.admission.snapshot()}
+        return {"rates": self.rates.snapshot(), "admission": self.admission.snapshot(), "queue": self.queue.snapshot()}
+
+    def _refused(self, model: str, reason: str) -> None:
+        self.metrics.fallback(model, Fallback.NO_CAPACITY)
+        self.metrics.queue_refused.labels(model, reason).inc()
 
     def _refresh_metrics(self, m) -> None:
         snap = self.rates.snapshot()
@@ -112,18 +123,47 @@ class Orchestrator:
                           ("link", "link_bytes_per_s")):
             for node, r in snap[key].items():
                 m.rate.labels(kind, node).set(r["value"])
+        for model in self._model_ids:
+            m.queue_length.labels(model).set(self.queue.length(model))
         for node, gate in self.admission.nodes.items():
             m.admission_tokens.labels(node, "inflight").set(gate.inflight_tokens)
             m.admission_tokens.labels(node, "queued").set(gate.queued_tokens)
 
-    async def start(self, route: ModelRoute, prompt: Prompt, sampling: Sampling) -> GenerationStream:
-        """Open a generation: the conversation's decode node or the least-loaded one, then the next on failure, then
-        the upstream; 429 at the model's limit or when every node is full, 503 when nothing can serve."""
-        limit = route.max_inflight
-        if limit is not None and self.inflight.get(route.id, 0) >= limit:
-            self.metrics.fallback(route.id, Fallback.NO_CAPACITY)
-            raise RateLimited(f"model {route.id!r} has {limit} generations in flight (its max_inflight); retry in "
+    async def start(self, route: ModelRoute, prompt: Prompt, samplings: list[Sampling],
+                    waiting: Waiting | None = None) -> list[GenerationStream]:
+        """One generation per sampling (a request's n choices), opened together (`_start`), the request waiting in
+        the model's queue while the model or its pool is only busy; ServerBusy past the queue's bounds, 503 when
+        nothing can serve. All or none: a request holding some choices' slots while it waits for the others' could
+        wait on itself."""
+        limit, need = route.max_inflight, len(samplings)
+        if limit is not None and need > limit:
+            raise InvalidRequest(f"{need} choices need more generations at once than model {route.id!r} runs (its "
+                                 f"max_inflight is {limit})", param="n")
+        return await self.queue.run(route.id, lambda: self._start(route, prompt, samplings), waiting)
+
+    async def _start(self, route: ModelRoute, prompt: Prompt, samplings: list[Sampling]) -> list[GenerationStream]:
+        """Each choice on the conversation's decode node or the least-loaded one, then the next on failure, then the
+        upstream; RateLimited at the model's limit or when every node is full (no choice kept open), 503 when
+        nothing can serve."""
+        limit, model, need = route.max_inflight, route.id, len(samplings)
+        # Requests still opening (waiting for prefill admission) count too, so a queue let loose keeps the limit.
+        if limit is not None and self.inflight.get(model, 0) + self._starting.get(model, 0) + need > limit:
+            raise RateLimited(f"model {model!r} has {limit} generations in flight (its max_inflight); retry in "
                               f"{self.retry_after_s}s", self.retry_after_s)
+        self._starting[model] = self._starting.get(model, 0) + need
+        try:
+            results = await asyncio.gather(*(self._open(route, prompt, s) for s in samplings), return_exceptions=True)
+        finally:
+            self._starting[model] -= need
+        gens = [r for r in results if not isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.close() for g in gens))
+            # Busy only if every failure was: then the request waits and retries all of them.
+            raise next((e for e in errors if not isinstance(e, RateLimited)), errors[0])
+        return gens
+
+    async def _open(self, route: ModelRoute, prompt: Prompt, sampling: Sampling) -> GenerationStream:
         prefix = self.affinity.hashes(route.id, prompt.ids)
         prefer = self._remembered(route, prefix)
         attempt = Attempt()
@@ -219,9 +259,9 @@ class Orchestrator:
                 log.info("%s; serving from the upstream %s", why, route.upstream.model)
                 self.metrics.fallback(route.id, Fallback.UPSTREAM)
                 return gen
-        self.metrics.fallback(route.id, Fallback.NO_CAPACITY)
-        if full:
+        if full:  # only busy: the request waits in the queue and retries (no_capacity is counted if it gives up)
             raise RateLimited(f"{why}; retry in {self.retry_after_s}s", self.retry_after_s)
+        self.metrics.fallback(route.id, Fallback.NO_CAPACITY)
         raise NoHealthyNode(f"{why}; retry later")
 
 def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
@@ -236,8 +276,10 @@ class Choices:
     """Start with `start()`, iterate `events()`: (index, Token) per token, (index, None) when choice `index`
     is done (its `done` line is then in `dones[index]`). Always `close()`."""
 
-    def __init__(self, orch: Orchestrator, route: ModelRoute, prompt: Prompt, samplings: list[Sampling]) -> None:
+    def __init__(self, orch: Orchestrator, route: ModelRoute, prompt: Prompt, samplings: list[Sampling],
+                 waiting: Waiting | None = None) -> None:
         self._orch, self.route, self.prompt, self.samplings = orch, route, prompt, samplings
+        self.waiting = waiting
         self.gens: list[GenerationStream] = []
         self._pumps: list[asyncio.Task] = []
         self._closed = False
@@ -247,15 +289,9 @@ class Choices:
         return len(self.samplings)
 
     async def start(self) -> None:
-        """Open every generation; if any cannot start, close the others and raise its error."""
-        results = await asyncio.gather(
-            *(self._orch.start(self.route, self.prompt, s) for s in self.samplings), return_exceptions=True
-        )
-        self.gens = [r for r in results if not isinstance(r, BaseException)]
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.close()
-            raise errors[0]
+        """Open every generation, together (Orchestrator.start); if any cannot start, none is kept and its error is
+        raised."""
+        self.gens = await self._orch.start(self.route, self.prompt, self.samplings, self.waiting)
 
     @property
     def first(self) -> GenerationStream:

@@ -11,6 +11,7 @@ from typing import Any
 from kv_bridge.protocol import DoneLine as Done
 
 from gateway.api.ollama.protocol import Job
+from gateway.api.ollama.errors import OLLAMA
 from gateway.api.relay import Framing, ndjson
 from gateway.errors import APIError
 from gateway.text.output import OutputParser
@@ -125,4 +126,4 @@ class OllamaFraming(Framing):
         return final(self.job, "", done, self.clock, self.ids)
 
     def error(self, err: APIError) -> list[dict]:
-        return [{"error": err.message}]  # Ollama's mid-stream failure: a last line with "error"
+        return [OLLAMA.body(err)]  # Ollama's mid-stream failure: a last line with "error", in its own words

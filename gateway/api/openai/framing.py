@@ -265,6 +265,7 @@ class OpenAIFraming(Framing):
     """OpenAI's answer: `renderer.body` as JSON, or its chunks as server-sent events ending in `[DONE]`."""
 
     stream_headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    waiting = b": queued\n\n"
     encode = staticmethod(sse)
 
     def __init__(self, renderer: ChatRenderer | CompletionRenderer) -> None:
