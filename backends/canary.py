@@ -96,10 +96,6 @@ def verdict(model: str, node: str, kv_dtype: str, wire: str, tokens: int, out: d
                    wire, kv_dtype, tokens, out["greedy"], out["seconds"], msg, out["layers"], out["kl"])
 
 
-def _dtype_name(m) -> str:
-    return str(m.dtype).rsplit(".", 1)[-1]  # mlx.core.bfloat16 -> bfloat16
-
-
 def register(app: web.Application, svc) -> None:
     """Canary routes on a decode node; `svc` is the DecodeService (models, receiver, settings, node)."""
     pending: dict[str, tuple] = {}  # transfer id -> (model, canary ids)
@@ -152,7 +148,7 @@ def register(app: web.Application, svc) -> None:
         except Exception as e:  # the comparison itself broke (logged by the MLX loop): the canary did not run
             return web.json_response(Verdict(m.model_id, "", svc.node.name, "error",
                                              message=f"comparison failed: {type(e).__name__}: {e}").to_json())
-        v = verdict(m.model_id, svc.node.name, _dtype_name(m), wire, len(ids) - 1, out)
+        v = verdict(m.model_id, svc.node.name, m.kv_dtype, wire, len(ids) - 1, out)
         log.info(
             "KV fidelity %s for %s: worst %s layer %d rel. error %.3g (tolerance %g; wire %s, KV %s; greedy %s)",
             v.state, m.model_id, v.tensor, v.layer, v.error, v.tolerance, wire, v.kv_dtype, v.greedy)

@@ -35,6 +35,15 @@ def _tokenizer() -> Tokenizer:
     return Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
 
 
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample `name` with `labels` in a Prometheus exposition, or None."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -538,12 +547,8 @@ class Cluster:
     async def metric(self, name: str, **labels: str) -> float:
         """A sample's value from /metrics (0 when absent)."""
         async with self.http.get(f"{self.url}/metrics") as r:
-            text = await r.text()
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
-        return 0.0
+            value = sample_value(await r.text(), name, **labels)
+        return 0.0 if value is None else value
 
     async def wait_for(self, predicate, timeout: float = 5.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import sample_value
 from stack import ROOT, Stack
 from test_e2e import chat, mlx_alone, prompt_ids
 
@@ -19,12 +20,9 @@ pytestmark = pytest.mark.e2e
 SWAPPED = Path(__file__).resolve().parent / "swapped_kv_prefill.py"
 
 
-def metric(stack, name: str, **labels: str) -> float:
+def metric(stack, name: str, **labels: str) -> float | None:
     with urllib.request.urlopen(stack.url("gateway") + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    line = next(ln for ln in text.splitlines() if ln.startswith(f"{name}{{") and all(
-        f'{k}="{v}"' in ln for k, v in labels.items()))
-    return float(line.rsplit(" ", 1)[1])
+        return sample_value(r.read().decode(), name, **labels)
 
 
 def test_the_session_pair_is_verified_everywhere_an_operator_looks(stack):

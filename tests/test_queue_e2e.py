@@ -13,8 +13,8 @@ import sys
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from fakes import sample_value
 from stack import MODEL_ID, ROOT, free_port, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -50,12 +50,8 @@ def narrow_gateway(stack, tmp_path_factory):
 
 async def _metric(url: str, name: str, **labels: str) -> float:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
-        text = await r.text()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
+        value = sample_value(await r.text(), name, **labels)
+    return 0.0 if value is None else value
 
 
 async def test_a_burst_of_three_times_max_inflight_is_queued_and_answered_not_refused(narrow_gateway):
