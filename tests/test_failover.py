@@ -347,6 +347,8 @@ async def test_every_decode_node_over_its_kv_cap_waits_then_is_served_or_busy(ma
     assert await c.metric("disagg_queue_refused_total", model=MODEL_ID, reason="wait") == 1
     status, _, _ = await c.chat(chat_body("hi", max_tokens=2))  # below the split threshold: no KV, served
     assert status == 200
+    # The second request must outlast the moments it waits unseen (a loaded machine): the same config object, longer
+    c.settings.gateway.queue.max_wait_s = 60
     waiting = asyncio.create_task(c.chat(chat_body(LONG_TEXT, max_tokens=8)))
     await _queued(c, 1)
     c.decode.mode = None  # its KV freed where the gateway cannot see it: the queue's poll finds it
