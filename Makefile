@@ -31,7 +31,7 @@ serve: install models
 SITE_MODEL := .disagg/site/models/gpt-oss-tiny
 
 site-models: install
-	test -f $(SITE_MODEL)-vllm/config.json || $(BIN)/python tests/tiny_models.py gpt_oss $(SITE_MODEL) $(SITE_MODEL)-vllm
+	test -f $(SITE_MODEL)-vllm/config.json || $(BIN)/python -m tests.support.tiny_models gpt_oss $(SITE_MODEL) $(SITE_MODEL)-vllm
 
 site: install models site-models
 	$(BIN)/python -m backends.site --config examples/site-local.toml
@@ -55,12 +55,12 @@ QUICK_WORKERS ?= 2
 test-quick: install models tools
 	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
 
-# The CUDA tests (tests/test_kv_cuda.py) on a machine with torch + CUDA and nothing else. An interpreter that already
-# has torch, pytest and numpy (the prefill image's python3: `docker run --rm --gpus all --entrypoint make
-# disagg-prefill test-gpu`) runs them as it is; otherwise a venv over the system's torch adds pytest and numpy only.
-# Skips the suite's conftest (its fixtures import the gateway and both engines). VLLM_GPU_SYNC_CHECK is vLLM 0.32's
-# GPU<->CPU sync check (vllm/envs.py): where vLLM is installed a test runs the extraction under it. Refuses to
-# "pass" by skipping: it checks for a GPU first.
+# The CUDA tests (tests/kv_bridge/vllm/layouts/test_kv_cuda.py) on a machine with torch + CUDA and nothing else. An
+# interpreter that already has torch, pytest and numpy (the prefill image's python3: `docker run --rm --gpus all
+# --entrypoint make disagg-prefill test-gpu`) runs them as it is; otherwise a venv over the system's torch adds pytest
+# and numpy only. Skips the suite's conftest (its fixtures import the gateway and both engines). VLLM_GPU_SYNC_CHECK is
+# vLLM 0.32's GPU<->CPU sync check (vllm/envs.py): where vLLM is installed a test runs the extraction under it.
+# Refuses to "pass" by skipping: it checks for a GPU first.
 GPU_VENV ?= .venv-gpu
 GPU_SYNC_CHECK ?= warn
 test-gpu:
@@ -70,7 +70,7 @@ test-gpu:
 	$$py -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs torch with CUDA and a GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" \
 	&& { [ "$$py" = "$(PYTHON)" ] || $$py -m pip install -q pytest numpy; } \
 	&& VLLM_GPU_SYNC_CHECK=$(GPU_SYNC_CHECK) PYTHONPATH=$(CURDIR) \
-	  $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/test_kv_cuda.py
+	  $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/kv_bridge/vllm/layouts/test_kv_cuda.py
 
 clean:
 	rm -rf .disagg

