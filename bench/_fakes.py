@@ -2,7 +2,7 @@
 
 One process, two ports: a decode node (docs/protocol.md: /health, NDJSON /v1/generate) and an OpenAI server
 (/v1/chat/completions, JSON or SSE). Both answer at once with the same 8-token completion.
-Run:  python bench/_fakes.py --decode-port P --openai-port Q
+Run:  python -m bench._fakes --decode-port P --openai-port Q
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Bursts of long prompts: N distinct ~1.5k-token chat prompts sent at once through the embedded stack (gateway ->
 vLLM prefill -> MLX decode), against vLLM alone on the same prompts in the same run.
 
-Run from the repository root:  .venv/bin/python bench/bench_burst.py [--bursts 4,8,16,32,64] [--prompt-tokens 1500]
+Run from the repository root:  .venv/bin/python -m bench.bench_burst [--bursts 4,8,16,32,64] [--prompt-tokens 1500]
     [--max-tokens 16] [--kv-timeout 30] [--max-inflight-tokens 4096] [--plot bench_burst.png] [--json F]
 Starts its own stack on free ports with the embedded defaults (kv_timeout_s 30, min_disagg_tokens 3). Per burst
 size, four rounds on fresh prompts (no shared prefix): `split` (the gateway, streamed: TTFT at the first content
@@ -27,13 +27,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_split import Prompts  # noqa: E402
-from stack import MODEL_DIR, MODEL_ID, Stack  # noqa: E402
+from bench.bench_split import Prompts
+from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
 LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)

@@ -1,7 +1,7 @@
 """Throughput and TTFT under concurrency: the split (gateway -> vLLM prefill -> MLX decode), MLX alone (decode node,
 local prefill) and vLLM alone (prefill node's /v1/generate), each at 1, 4, 16 (and 64) requests at once.
 
-Run from the repository root:  .venv/bin/python bench/bench_concurrency.py [--levels 1,4,16,64] [--prompt-tokens 256]
+Run from the repository root:  .venv/bin/python -m bench.bench_concurrency [--levels 1,4,16,64] [--prompt-tokens 256]
     [--max-tokens 32]
 Starts its own stack on free ports; greedy; every request has its own prompt (a fresh leading number), so no prefix
 is shared. Per level and mode: c requests start together; throughput = completion tokens / wall time of the round,
@@ -23,13 +23,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_split import Prompts  # noqa: E402
-from stack import MODEL_DIR, MODEL_ID, Stack  # noqa: E402
+from bench.bench_split import Prompts
+from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
 LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)

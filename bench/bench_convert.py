@@ -1,6 +1,6 @@
 """Layout conversion: vLLM paged KV -> wire/MLX (H, T, D), and received KV -> mlx-lm caches, vs plain copies.
 
-Run from the repository root:  .venv/bin/python bench/bench_convert.py [--reps 7] [--sizes 1024,4096,8192] [--no-mlx]
+Run from the repository root:  .venv/bin/python -m bench.bench_convert [--reps 7] [--sizes 1024,4096,8192] [--no-mlx]
                                  [--keep-freed-memory]   (what-if: glibc reuses freed memory, fewer page faults)
 SmolLM2 geometry (30 layers, 3 KV heads, head_dim 64, block 128, float32 as the embedded model stores it).
 Baselines from the same run: np.copyto of a contiguous buffer of the same bytes; mx.array of the same bytes.
@@ -11,17 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from kv_bridge.vllm.layouts import CpuAttnLayout, DenseLayout
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kv_bridge.vllm.layouts import CpuAttnLayout, DenseLayout  # noqa: E402
-
 L, H, D, BS = 30, 3, 64, 128
 DTYPE = np.float32
 MODEL_DIR = ROOT / "models" / "smollm2-135m"

@@ -2,7 +2,7 @@
 the connector's former per-request path, copied below as `per_request`) vs one gather per layer for all of a step's
 requests (after: `Extractor.extract_batch`). Both in the same run, interleaved; the ratio is before / after.
 
-Run from the repository root:  .venv/bin/python bench/bench_extract.py [--reps 5] [--requests 32] [--tokens 64]
+Run from the repository root:  .venv/bin/python -m bench.bench_extract [--reps 5] [--requests 32] [--tokens 64]
 Shapes (per rank, bf16, dense CUDA layout [blocks, H, 16, 2D] on CPU tensors): Qwen3-Coder-30B-A3B 48 layers x 4 KV
 heads x 128; gpt-oss-120b 36 layers x 8 KV heads x 64. A step: `requests` requests of `tokens` new tokens each.
 With a GPU it also times the CUDA path (pinned buffer reused, side-stream copy, event): ms per step, us per call,
@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from kv_bridge.vllm.extract import Extractor, Span  # noqa: E402
-from kv_bridge.vllm.layouts import DenseLayout  # noqa: E402
+from kv_bridge.vllm.extract import Extractor, Span
+from kv_bridge.vllm.layouts import DenseLayout
 
 SHAPES = {"qwen3-coder-30b-a3b": (48, 4, 128), "gpt-oss-120b": (36, 8, 64)}
 BS = 16

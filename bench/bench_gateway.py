@@ -1,7 +1,7 @@
 """Gateway overhead (issue #4): our gateway and the LiteLLM proxy, each in front of an instant fake backend,
 against that backend called directly, in one run. Latency at concurrency 1 and requests/s at 64 clients.
 
-Run from the repository root:  .venv/bin/python bench/bench_gateway.py [--requests 300] [--duration 8]
+Run from the repository root:  .venv/bin/python -m bench.bench_gateway [--requests 300] [--duration 8]
 LiteLLM comes from a separate venv (its pins clash with vLLM's):  python3 -m venv .venv-bench &&
 .venv-bench/bin/pip install 'litellm[proxy]'   (or pass --litellm PATH). Processes: fakes, gateway, LiteLLM, and
 this load generator (aiohttp, uvloop) each on their own interpreter. Targets: RPS >= 3x LiteLLM's, added p50 <= 1/3.
@@ -27,10 +27,9 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from _fakes import MODEL_ID, TEXT  # noqa: E402
+from bench._fakes import MODEL_ID, TEXT
 
+ROOT = Path(__file__).resolve().parent.parent
 BODY = {"model": MODEL_ID, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 8, "temperature": 0.0}
 PATH = "/v1/chat/completions"
@@ -218,7 +217,7 @@ async def run(args, tmp: Path) -> None:
         lenv.pop(k, None)
     py = sys.executable
     procs = {
-        "fakes": spawn([py, "bench/_fakes.py", "--decode-port", str(dport), "--openai-port", str(oport)],
+        "fakes": spawn([py, "-m", "bench._fakes", "--decode-port", str(dport), "--openai-port", str(oport)],
                        tmp / "fakes.log"),
         "gateway": spawn([py, "-m", "gateway", "--config", str(gateway_config(tmp, gport, dport))],
                          tmp / "gateway.log", env),

@@ -1,7 +1,7 @@
 """Constrained decoding: llguidance vs xgrammar (mask cost per token at batch 1 and 8, 50-property schema compile),
 and decode tokens/s of the embedded model with a JSON-schema constraint vs the same requests unconstrained.
 
-Run from the repository root:  .venv/bin/python bench/bench_grammar.py [--max-tokens 64] [--repeats 3]
+Run from the repository root:  .venv/bin/python -m bench.bench_grammar [--max-tokens 64] [--repeats 3]
 Engines are driven over a fixed valid JSON document (mask, then consume its next token). Decode runs mlx-lm's
 BatchGenerator directly, as the decode node does, greedy; ratios are against the unconstrained run of this process.
 """
@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from backends.grammar import GrammarCompiler, GrammarSpec
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from backends.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
-
 MODEL_DIR = ROOT / "models" / "smollm2-135m"
 TYPES = [{"type": "string", "maxLength": 16}, {"type": "integer"}, {"type": "boolean"},
          {"type": "array", "items": {"type": "number"}, "maxItems": 3}, {"enum": ["a", "b", "c"]}]

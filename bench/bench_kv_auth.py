@@ -1,6 +1,6 @@
 """What KV stream authentication costs: open vs header-only vs per-frame MACs, KVSender -> KVReceiver over loopback.
 
-Run from the repository root:  .venv/bin/python bench/bench_kv_auth.py [--reps 5] [--sizes 4096] [--threshold 1.3]
+Run from the repository root:  .venv/bin/python -m bench.bench_kv_auth [--reps 5] [--sizes 4096] [--threshold 1.3]
 Each run moves the same KV once per mode, back to back in rotating order (so all modes see the same machine load),
 through long-lived receivers and senders as on the nodes; it prints the median of the runs' ratios to the open
 transfer. Also prints the tag candidates' speed on one core of this CPU (what each side pays per byte).
@@ -13,20 +13,15 @@ import hashlib
 import hmac
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import blake3
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_transfer import D, H, L, LoopThread, bridge_once, free_port, kv_layers  # noqa: E402
-from kv_bridge.config import AuthConfig, KVConfig  # noqa: E402
-from kv_bridge.receiver import KVReceiver  # noqa: E402
-from kv_bridge.sender import KVSender  # noqa: E402
+from bench.bench_transfer import D, H, L, LoopThread, bridge_once, free_port, kv_layers
+from kv_bridge.config import AuthConfig, KVConfig
+from kv_bridge.receiver import KVReceiver
+from kv_bridge.sender import KVSender
 
 KEY = AuthConfig(node_secret="bench-secret-0123456789abcdef").kv_key()
 MODES = {"open": (None, False), "header-only auth": (KEY, False), "per-frame MAC": (KEY, True)}

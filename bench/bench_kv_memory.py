@@ -1,6 +1,6 @@
 """The decode node's KV memory per token, held in the model's dtype against float32 (the old receive path).
 
-Run from the repository root:  .venv/bin/python bench/bench_kv_memory.py [--tokens 256] [--reps 5]
+Run from the repository root:  .venv/bin/python -m bench.bench_kv_memory [--tokens 256] [--reps 5]
 Real transfers over loopback (KVSender -> KVReceiver) in the site's geometries: what the receiver reserves and holds
 per token, the mlx array it becomes, and how long the transfer takes per (wire dtype, held dtype), then each Mac's
 capacity for 25k-token prompts under the site's kv.max_inflight_bytes (examples/site.toml).
@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_transfer import LoopThread, ends  # noqa: E402
-from kv_bridge import dtypes, wire  # noqa: E402
-from kv_bridge.config import KVConfig  # noqa: E402
-from kv_bridge.receiver import KVReceiver  # noqa: E402
-from kv_bridge.sender import KVSender  # noqa: E402
+from bench.bench_transfer import LoopThread, ends
+from kv_bridge import dtypes, wire
+from kv_bridge.config import KVConfig
+from kv_bridge.receiver import KVReceiver
+from kv_bridge.sender import KVSender
 
 GIB = 2**30
 SITE_INFLIGHT = 6710886400  # examples/site.toml's [kv] max_inflight_bytes when docs/kv_bridge.md's table was measured

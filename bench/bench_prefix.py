@@ -1,6 +1,6 @@
 """Prefix reuse: a multi-turn conversation through the real stack with the decode node's prefix store on and off.
 
-Run from the repository root:  .venv/bin/python bench/bench_prefix.py [--turns 10] [--turn-tokens 320] [--max-tokens 32]
+Run from the repository root:  .venv/bin/python -m bench.bench_prefix [--turns 10] [--turn-tokens 320] [--max-tokens 32]
 Starts its own stack (decode-0, prefill-0, gateway) on free ports. Each condition runs the same conversation
 (greedy; each turn appends the answer and ~turn-tokens of new user text, growing to ~4k tokens); between them only the
 decode and prefill nodes restart (fresh caches), the decode node with decode.prefix_cache_bytes 0 ("full") or 1 GiB
@@ -21,13 +21,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_split import TIMEOUT, filler  # noqa: E402
-from stack import MODEL_DIR, MODEL_ID, Stack  # noqa: E402
+from bench.bench_split import TIMEOUT, filler
+from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 CONDITIONS = {"full": 0, "reuse": 1 << 30}  # decode.prefix_cache_bytes
 

@@ -4,7 +4,7 @@ prefilling itself: its /v1/generate without KV) and vLLM alone (the model's Spar
 JSON schema, as many generated tokens (vLLM alone: no grammar, max_tokens = the split's count), same run.
 
 Run from the repository root, under the heavy lock:
-    flock /tmp/disagg-heavy.lock .venv/bin/python bench/bench_site.py [--cells 5,20,40] [--num-predict 32]
+    flock /tmp/disagg-heavy.lock .venv/bin/python -m bench.bench_site [--cells 5,20,40] [--num-predict 32]
         [--local-max-cells 5] [--plot bench_site.png] [--json F] [--running]
 It starts the site (`python -m backends.site`) and stops it after, unless --running (a `make site` already up).
 The local path runs only up to --local-max-cells: mlx-cpu prefills ~16 tokens/s here, a 2k-token prompt ~2 min.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,13 +21,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from tests.support.site import CONFIG, GATEWAY, OSS, SMOL, VERDICT, Site, notebook
 
-from test_site_e2e import CONFIG, GATEWAY, OSS, SMOL, VERDICT, Site, notebook  # noqa: E402
-
-from kv_bridge.protocol import json_grammar  # noqa: E402
+from kv_bridge.protocol import json_grammar
 
 TIMEOUT = httpx.Timeout(900.0, connect=30.0)
 

@@ -1,6 +1,6 @@
 """Split (vLLM prefill + MLX decode) against MLX alone and vLLM alone on a long prompt, ratios from the same run.
 
-Run from the repository root:  .venv/bin/python bench/bench_split.py [--runs 3] [--max-tokens 64] [--prompt-tokens 1000]
+Run from the repository root:  .venv/bin/python -m bench.bench_split [--runs 3] [--max-tokens 64] [--prompt-tokens 1000]
 Starts its own stack (decode-0, prefill-0, gateway) on free ports; greedy decoding; a fresh prompt per request.
 """
 
@@ -18,11 +18,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from stack import MODEL_DIR, MODEL_ID, Stack  # noqa: E402
+from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 TIMEOUT = httpx.Timeout(900.0, connect=10.0)
 WORDS = ("river stone lantern orchard copper meadow signal harbor violet engine summit ledger canyon "

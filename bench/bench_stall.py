@@ -1,7 +1,7 @@
 """A decode node that stops reading must not slow a concurrent transfer to a healthy one: time a healthy transfer
 alone (baseline) and with a stalled transfer queued ahead of it on the same sender, interleaved in the same run.
 
-Run from the repository root:  .venv/bin/python bench/bench_stall.py [--reps 5] [--tokens 512]
+Run from the repository root:  .venv/bin/python -m bench.bench_stall [--reps 5] [--tokens 512]
 Healthy transfer: gpt-oss-120b-shaped (36 layers x 8 KV heads x 64), float32 wire, chunks of 128 tokens, real
 sockets into the real receiver (its event loop in a thread of this process). Stalled receiver: accepts, ACKs the
 header, never reads again; its transfer is as large and fails only at the send timeout (longer than the run).
@@ -14,22 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from kv_bridge import wire  # noqa: E402
-from kv_bridge.config import KVConfig  # noqa: E402
-from kv_bridge.receiver import KVReceiver  # noqa: E402
-from kv_bridge.sender import KVSender  # noqa: E402
-from test_kv_sender import StalledReceiver  # noqa: E402
+from kv_bridge import wire
+from kv_bridge.config import KVConfig
+from kv_bridge.receiver import KVReceiver
+from kv_bridge.sender import KVSender
+from tests.support.kv_sender import StalledReceiver
 
 L, H, D, CHUNK = 36, 8, 64, 128
 SPEC = {"fingerprint": "bench", "num_layers": L, "num_kv_heads": H, "head_dim": D}

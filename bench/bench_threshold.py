@@ -1,7 +1,7 @@
 """Where disaggregation starts to pay: time-to-first-token of the local path (decode node prefills itself) against
 the disaggregated path (vLLM prefills, KV streams to decode), per prompt length, and the break-even length.
 
-Run from the repository root:  .venv/bin/python bench/bench_threshold.py [--runs 5] [--sizes 8,16,32,64,128]
+Run from the repository root:  .venv/bin/python -m bench.bench_threshold [--runs 5] [--sizes 8,16,32,64,128]
 Starts its own stack (decode-0, prefill-0, a gateway with min_disagg_tokens=1) plus a second gateway on the same
 nodes whose threshold is out of reach (every request local). Prompts are raw token ids sent to /v1/completions, so a
 size is exact (no chat template around it); every request gets a fresh leading token run so no cache helps either
@@ -23,12 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port, wait_http
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from stack import MODEL_DIR, MODEL_ID, Stack, free_port, wait_http  # noqa: E402
-
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 WORDS = ("river stone lantern orchard copper meadow signal harbor violet engine summit ledger canyon "
          "whistle marble forest cipher beacon thunder garden ribbon falcon glacier pepper").split()

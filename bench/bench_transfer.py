@@ -1,6 +1,7 @@
 """KV transfer over loopback: KVSender -> KVReceiver (real frames, real sockets) vs a raw TCP stream of the same bytes.
 
-Run from the repository root:  .venv/bin/python bench/bench_transfer.py [--reps 5] [--sizes 1024,4096,8192] [--no-profile]
+Run from the repository root:  .venv/bin/python -m bench.bench_transfer [--reps 5] [--sizes 1024,4096,8192]
+    [--no-profile]
 The receiver runs in this process as on a decode node (a loop thread accepts, each connection is read on a thread
 of its own), the sender from the main thread (its writer thread sends), as on the nodes. A profile follows (skip
 it with --no-profile): where the time goes, and what the frames' checksums cost (a what-if with them
@@ -14,23 +15,18 @@ import asyncio
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import xxhash
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kv_bridge import wire  # noqa: E402
-from kv_bridge.config import KVConfig  # noqa: E402
-from kv_bridge.receiver import KVReceiver, Transfer  # noqa: E402
-from kv_bridge.sender import KVSender, _Writer  # noqa: E402
-from tests.stack import free_port  # noqa: E402
+from kv_bridge import wire
+from kv_bridge.config import KVConfig
+from kv_bridge.receiver import KVReceiver, Transfer
+from kv_bridge.sender import KVSender, _Writer
+from tests.support.stack import free_port
 
 L, H, D = 30, 3, 64  # SmolLM2: float32 on the wire, as the embedded model stores it
 SPEC = {"fingerprint": "bench", "num_layers": L, "num_kv_heads": H, "head_dim": D}

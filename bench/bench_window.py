@@ -2,7 +2,7 @@
 sliding layers (after: what mlx-lm's RotatingKVCache keeps). Both from the connector's real worker half, in the
 same run, over a real paged cache; the ratio is before / after.
 
-Run from the repository root:  .venv/bin/python bench/bench_window.py [--tokens 16384] [--chunk 2048]
+Run from the repository root:  .venv/bin/python -m bench.bench_window [--tokens 16384] [--chunk 2048]
 gpt-oss-120b per layer: 8 KV heads x 64, bf16, window 128, sliding and full layers alternating (18 + 18 of 36).
 Two layers (one of each kind) are extracted for real; the total is that pair's bytes times 18.
 """
@@ -10,18 +10,13 @@ Two layers (one of each kind) are extracted for real; the total is that pair's b
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from kv_bridge.vllm.extract import Extractor  # noqa: E402
-from kv_bridge.vllm.layouts import DenseLayout  # noqa: E402
-from kv_bridge.vllm.scheduler import DisaggConnectorMetadata, SendSpec  # noqa: E402
-from kv_bridge.vllm.worker import WorkerSide  # noqa: E402
+from kv_bridge.vllm.extract import Extractor
+from kv_bridge.vllm.layouts import DenseLayout
+from kv_bridge.vllm.scheduler import DisaggConnectorMetadata, SendSpec
+from kv_bridge.vllm.worker import WorkerSide
 
 H, D, BS, WINDOW, PAIRS = 8, 64, 16, 128, 18
 SPEC = {"fingerprint": "bench", "num_layers": 2, "num_kv_heads": H, "head_dim": D}

@@ -1,0 +1,2 @@
+"""Benchmarks (not tests): each prints ratios against a baseline measured in the same run. Run from the repository
+root as modules, `.venv/bin/python -m bench.bench_x`; they import the repository's packages and tests.support."""
