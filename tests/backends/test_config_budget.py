@@ -148,7 +148,8 @@ def test_api_keys_warning_names_only_the_gateway(tmp_path):
 def test_inflight_bound_must_hold_one_full_context(tmp_path):
     """Where the model folder is here, its geometry says what one full-context transfer reserves on a Mac (float32):
     a bound below it would refuse the longest prompts on every decode node."""
-    from tests.support.stack import MODEL_DIR  # SmolLM2: 30 layers x 3 KV heads x 64 x 2 x 4 B = 45 KiB/token, 1.41 GiB at 32k
+    # SmolLM2: 30 layers x 3 KV heads x 64 x 2 x 4 B = 45 KiB/token, 1.41 GiB at 32k
+    from tests.support.stack import MODEL_DIR
 
     def edit(t, inflight):
         return (t.replace('path = "/opt/disagg/models/gpt-oss-120b"', f'path = "{MODEL_DIR}"')

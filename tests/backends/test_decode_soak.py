@@ -2,7 +2,7 @@
 waiting for KV, then nothing may have grown: no request running, an empty batch, no KV transfer left registered,
 cache bytes back to their start value, and the process's RSS within RSS_BOUND of its value after a warm-up.
 
-The node serves a tiny random llama (tests/tiny_models.py, SmolLM2's tokenizer): the soak checks the node's
+The node serves a tiny random llama (tests/support/tiny_models.py, SmolLM2's tokenizer): the soak checks the node's
 machinery, and SmolLM2 on this shared CPU would take ten times the few minutes it may take."""
 
 from __future__ import annotations

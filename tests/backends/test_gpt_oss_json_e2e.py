@@ -1,8 +1,8 @@
 """JSON after thinking on a real decode node (issue 22, item 5): the scripted tiny gpt_oss model
-(tests/scripted_gpt_oss.py) reasons in the analysis channel, then opens the final channel; with Ollama's
+(tests/support/scripted_gpt_oss.py) reasons in the analysis channel, then opens the final channel; with Ollama's
 `format` or OpenAI's `response_format` the decode node's grammar starts only there, so the reasoning streams first
 (as `thinking` / `reasoning_content`) and the answer is JSON that the grammar closed. Read with the official
-`ollama` and `openai` clients. The shared tiny-gpt_oss stack (tests/oss_fixtures.py) serves the scripted model as
+`ollama` and `openai` clients. The shared tiny-gpt_oss stack (tests/support/oss_fixtures.py) serves the scripted model as
 SCRIPTED_ID."""
 
 from __future__ import annotations

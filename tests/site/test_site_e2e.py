@@ -2,7 +2,7 @@
 machines with one model each, two decode machines with both, auth on, KV through shaped link relays. One site for
 the module; tests that kill a machine or cut a link wait for it to come back before they end.
 
-Run under the heavy lock: `flock /tmp/disagg-heavy.lock .venv/bin/python -m pytest -q tests/test_site_e2e.py`.
+Run under the heavy lock: `flock /tmp/disagg-heavy.lock .venv/bin/python -m pytest -q tests/site/test_site_e2e.py`.
 """
 
 from __future__ import annotations

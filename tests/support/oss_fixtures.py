@@ -2,8 +2,8 @@
 test_tool_loop_e2e, test_gpt_oss_json_e2e): one decode node (mlx-cpu) and one gateway, started on first use and kept
 for the session. No prefill node: the local path.
 
-The decode node serves two models: the tiny family checkpoint (tests/tiny_models.py) as MODEL_ID and the scripted
-one (tests/scripted_gpt_oss.py) as SCRIPTED_ID. The gateway reaches it through a recording proxy, so the tool loop can
+The decode node serves two models: the tiny family checkpoint (tests/support/tiny_models.py) as MODEL_ID and the scripted
+one (tests/support/scripted_gpt_oss.py) as SCRIPTED_ID. The gateway reaches it through a recording proxy, so the tool loop can
 read the token ids the node received; the proxy relays a node's stream whole, which none of these modules times.
 """
 

@@ -36,7 +36,7 @@ def _ids(folder: Path) -> dict[str, int]:
 
 
 def build_scripted_gpt_oss(folder: Path, big: float = 10.0) -> Path:
-    """The tiny gpt_oss family checkpoint (tests/tiny_models.py) with the scripted weights."""
+    """The tiny gpt_oss family checkpoint (tests/support/tiny_models.py) with the scripted weights."""
     build_family("gpt_oss", folder)
     config = json.loads((folder / "config.json").read_text())
     hidden, hd = config["hidden_size"], config["head_dim"]

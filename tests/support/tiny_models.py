@@ -271,7 +271,8 @@ def build_family(model_type: str, folder: Path, **kw) -> Path:
     return write_family_tokenizer(build(model_type, folder, **kw), model_type)
 
 
-if __name__ == "__main__":  # `make site-models`: python -m tests.support.tiny_models gpt_oss FOLDER [DEQUANTIZED_FOLDER]
+# `make site-models`: python -m tests.support.tiny_models gpt_oss FOLDER [DEQUANTIZED_FOLDER]
+if __name__ == "__main__":
     import sys
 
     print(build_family(sys.argv[1], Path(sys.argv[2])))

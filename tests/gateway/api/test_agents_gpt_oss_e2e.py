@@ -2,7 +2,7 @@
 node, real gateway), through the official SDKs unchanged: reasoning items and thinking blocks from the analysis
 channel, and function_call items and tool_use blocks from a forced tool call, whole and streamed, then the tool's
 result in the next turn. A random model emits no harmony by itself: as in test_gpt_oss_e2e.py, tool_choice masks
-the output into harmony and logit_bias picks the channel. On the shared tiny-gpt_oss stack (tests/oss_fixtures.py)."""
+the output into harmony and logit_bias picks the channel. On the shared tiny-gpt_oss stack (tests/support/oss_fixtures.py)."""
 
 from __future__ import annotations
 

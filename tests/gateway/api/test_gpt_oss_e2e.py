@@ -3,7 +3,7 @@ real gateway: both APIs render the harmony prompt with the reasoning effort, and
 end tokens <|return|> and <|call|> (config.json names only one as EOS). A random model emits no harmony by itself:
 logit_bias makes it say the end token; the parsing itself is tested with real token streams in
 test_reasoning_api.py and test_toolcalls_api.py. A forced tool call (tool_choice) is masked into a valid harmony
-call by the decode node's grammar. On the shared tiny-gpt_oss stack (tests/oss_fixtures.py)."""
+call by the decode node's grammar. On the shared tiny-gpt_oss stack (tests/support/oss_fixtures.py)."""
 
 from __future__ import annotations
 

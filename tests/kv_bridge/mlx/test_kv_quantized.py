@@ -1,6 +1,6 @@
 """Quantized decode caches: KV the bridge delivers becomes mlx-lm QuantizedKVCache (4 or 8 bit), and greedy
 decode from it equals MLX alone generating with the same kv_bits. In process the model is a tiny random llama
-(tests/tiny_models.py), compared by its log-probabilities as well as its tokens; the e2e test uses SmolLM2."""
+(tests/support/tiny_models.py), compared by its log-probabilities as well as its tokens; the e2e test uses SmolLM2."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 prompts at once, chunked prefill) and tensor parallelism. Every transfer must complete, and MLX decoding from the
 bridged KV must equal MLX decoding alone (greedy, token for token), on a tiny random llama (tiny_models.py).
 
-Both run as jobs in the tiny-model vLLM subprocess every e2e module shares (tests/tiny_vllm.py); TP=2's ranks are
+Both run as jobs in the tiny-model vLLM subprocess every e2e module shares (tests/support/tiny_vllm.py); TP=2's ranks are
 worker processes of their own. The receiver is the decode node's, in this process.
 """
 

@@ -186,7 +186,7 @@ async def test_a_failure_mid_stream_ends_in_an_error_event(local_cluster):
     await client.close()
 
 
-# ---- Claude Code: its captured first request (tests/data/agents), as it sends it ----
+# ---- Claude Code: its captured first request (tests/support/data/agents), as it sends it ----
 
 AGENTS = ROOT / "tests" / "support" / "data" / "agents"
 READ = "<tool_call>\n<function=Read>\n<parameter=file_path>\n/etc/hostname\n</parameter>\n</function>\n</tool_call>"

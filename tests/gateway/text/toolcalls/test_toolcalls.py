@@ -72,8 +72,8 @@ MALFORMED = {
                "<tool_call>{\"arguments\": {}}</tool_call>",
                "<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>",
                "<tool_call>{\"name\": \"f\""],
-    # A dropped </parameter> or a cut-off value is recovered (tests/test_toolcalls_qwen3_vllm.py); harmony never
-    # gives markup back as text (tests/test_harmony_markup.py).
+    # A dropped </parameter> or a cut-off value is recovered (tests/gateway/text/toolcalls/test_toolcalls_qwen3_vllm.py); harmony never
+    # gives markup back as text (tests/gateway/text/test_harmony_markup.py).
     "qwen3_coder": ["<tool_call>no function here</tool_call>", "<tool_call>\n<function=f oops</tool_call>"],
 }
 

@@ -1,7 +1,7 @@
 """Forced tool calls (tool_choice "required" or a named function): the gateway's grammar for each call format
 compiles in llguidance against the family tokenizers and admits exactly the calls the parsers read back (real token
 sequences of the formats), the request carries it to the decode node, and bad choices are 400s naming tool_choice.
-A real decode node masking by it: tests/test_gpt_oss_e2e.py."""
+A real decode node masking by it: tests/gateway/api/test_gpt_oss_e2e.py."""
 
 from __future__ import annotations
 

@@ -178,7 +178,7 @@ async def test_a_failure_mid_stream_ends_in_an_error_event(local_cluster):
 
 
 
-# ---- Codex CLI: its captured first request (tests/data/agents), as it sends it ----
+# ---- Codex CLI: its captured first request (tests/support/data/agents), as it sends it ----
 
 AGENTS = ROOT / "tests" / "support" / "data" / "agents"
 # qwen3-coder calling one of Codex's namespace functions by the flat name it was shown.
