@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.site import CONFIG, GATEWAY, OSS, SMOL, VERDICT, Site, notebook
+from tests.support.seed_site import CONFIG, GATEWAY, OSS, SMOL, VERDICT, Site, notebook
 
 from kv_bridge.protocol import json_grammar
 

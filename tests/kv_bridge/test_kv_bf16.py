@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.stack import MODEL_DIR
 from tests.support.e2e import TEXT
-from tests.support.site import notebook
+from tests.support.seed_site import notebook
 from tests.support.tiny_vllm import Job, register
 
 pytestmark = pytest.mark.e2e

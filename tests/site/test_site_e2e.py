@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.support import ROOT
-from tests.support.site import CONFIG, GATEWAY, OSS, SMOL, VERDICT, Site, notebook
+from tests.support.seed_site import CONFIG, GATEWAY, OSS, SMOL, VERDICT, Site, notebook
 
 pytestmark = pytest.mark.e2e
 ROLES = ["spark-0", "spark-1", "mac-0", "mac-1", "link-mac-0", "link-mac-1", "gateway"]
