@@ -45,7 +45,7 @@ def mlx_ref():
 
 @pytest.fixture(scope="session")
 def text_kv(mlx_ref):
-    """(ids, keys, values): test_kv_fidelity's TEXT, its first 300 tokens, and MLX's own one-shot prefill of them
+    """(ids, keys, values): tests.support.e2e's TEXT, its first 300 tokens, and MLX's own one-shot prefill of them
     ((L, H, T, D) each): the reference KV of test_kv_fidelity, test_kv_fp8 and test_prefix_e2e, computed once
     (mlx-cpu prefills ~16 tok/s here: ~18 s a copy)."""
     from tests.support.e2e import TEXT, mlx_kv
