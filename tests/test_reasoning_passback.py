@@ -1,7 +1,8 @@
-"""Reasoning kept across tool turns on the Responses API: a `reasoning` input item the client sends back (Codex does,
-with `store: false`), or the stored response a `previous_response_id` continues, reaches gpt-oss's chat template as
-the chat APIs' reasoning passback does, so the second turn's prompt carries the first turn's analysis before its call.
-Reference: transformers' apply_chat_template on the conversation as the published template reads it (`thinking`)."""
+"""Reasoning kept across tool turns on the Responses and Messages APIs: a `reasoning` input item the client sends back
+(Codex does, with `store: false`), the stored response a `previous_response_id` continues, or a `thinking` block of an
+assistant turn (Claude Code sends them back) reaches gpt-oss's chat template as the chat APIs' reasoning passback does,
+so the second turn's prompt carries the first turn's analysis before its call. Reference: transformers'
+apply_chat_template on the conversation as the published template reads it (`thinking`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fakes import MODEL_ID, Cluster
 from family_streams import family_tokenizers
 from tiny_models import write_family_tokenizer
 
+import anthropic
 import openai
 
 ANALYSIS = "Need the weather in Paris; call the tool."
@@ -125,4 +127,23 @@ async def test_final_answer_drops_its_reasoning_and_items_merge_into_one_turn(gp
     await client.responses.create(model=MODEL_ID, input=[*FIRST, reasoning, answer, chat[2]], tools=TOOLS,
                                   max_output_tokens=8)
     assert sent_ids(c) == reference_ids(c, chat) and ANALYSIS not in _prompt(c)
+    await client.close()
+
+
+async def test_thinking_block_of_a_tool_use_turn_reaches_the_template(gpt_oss):
+    """Anthropic's assistant turn [thinking, tool_use] then the tool_result: the same prompt as the chat API's."""
+    client = anthropic.AsyncAnthropic(base_url=gpt_oss.url, api_key="unused", max_retries=0)
+    tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": TOOLS[0]["parameters"]}]
+    turn = [*FIRST, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": ANALYSIS, "signature": ""},
+        {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": RESULT}]}]
+    await client.messages.create(model=MODEL_ID, messages=turn, tools=tools, max_tokens=8)
+    assert sent_ids(gpt_oss) == reference_ids(gpt_oss, as_published())
+    redacted = {"type": "redacted_thinking", "data": "opaque"}  # nothing to give back: the analysis is absent
+    turn[1]["content"][0] = redacted
+    await client.messages.create(model=MODEL_ID, messages=turn, tools=tools, max_tokens=8)
+    no_analysis = as_published()
+    no_analysis[1].pop("thinking")
+    assert sent_ids(gpt_oss) == reference_ids(gpt_oss, no_analysis)
     await client.close()
