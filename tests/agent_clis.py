@@ -19,6 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code"}
 DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection is refused at once
+# Read at import: the empty_config fixture clears DISAGG_* from the environment before a test runs.
+AGENT_BIN = os.environ.get("DISAGG_AGENT_BIN")
+NO_AGENT_CLIS = os.environ.get("DISAGG_NO_AGENT_CLIS")
 
 
 def pinned(name: str) -> str:
@@ -28,14 +31,14 @@ def pinned(name: str) -> str:
 
 def cli(name: str) -> str:
     """The path of CLI `name` ("codex", "claude") at its pinned version; fails (skips only when told) otherwise."""
-    if os.environ.get("DISAGG_NO_AGENT_CLIS"):
+    if NO_AGENT_CLIS:
         pytest.skip("DISAGG_NO_AGENT_CLIS is set: the agent CLIs are not installed here")
-    folder = os.environ.get("DISAGG_AGENT_BIN") or str(REPO / "node_modules" / ".bin")
+    folder = AGENT_BIN or str(REPO / "node_modules" / ".bin")
     path = shutil.which(name, path=folder)
     fix = "run `make tools` (npm ci of package.json's pins into ./node_modules; needs node and npm)"
     if path is None:
         pytest.fail(f"{name} is not in {folder}: {fix}")
-    if "DISAGG_AGENT_BIN" not in os.environ:
+    if AGENT_BIN is None:
         have = json.loads((REPO / "node_modules" / PACKAGES[name] / "package.json").read_text())["version"]
         if have != pinned(name):
             pytest.fail(f"{PACKAGES[name]} {have} is installed, package.json pins {pinned(name)}: {fix}")
