@@ -125,20 +125,21 @@ def _claude_steps(path: Path) -> list[Step]:
     return [("Read the file first.", "Read", {"file_path": str(path)}),
             ("It says red; edit it.", "Edit", {"file_path": str(path), "old_string": "color = red",
                                                 "new_string": "color = blue"}),
+            ("Check it on disk.", "Bash", {"command": f"cat {path}", "description": "Show notes.txt"}),
             ("The edit is done.", None, FINAL)]
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
-async def test_claude_code_reads_then_edits_a_file(tmp_path, empty_config, family):
-    """Claude Code reads the file (its Edit tool refuses a file it has not read), edits it, and prints the final
-    answer: three requests, each carrying the previous tool's result."""
+async def test_claude_code_reads_edits_and_runs_a_command(tmp_path, empty_config, family):
+    """Claude Code reads the file (its Edit tool refuses a file it has not read), edits it, shows it with a shell
+    command, and prints the final answer: four requests, each carrying the previous tool's result."""
     c, proxy = await _cluster(tmp_path, family)
     notes = _scratch(tmp_path) / "notes.txt"
     steps = _claude_steps(notes)
     c.decode.script = _script(family, steps)
     try:
         rc, out, err = await agent_clis.claude("Make the color in notes.txt blue.", f"http://127.0.0.1:{proxy.port}",
-                                               NAMES[family], notes.parent, tmp_path / "home", "Read,Edit")
+                                               NAMES[family], notes.parent, tmp_path / "home", "Read,Edit,Bash")
         _capture(proxy, f"claude_code_tool_loop_{family}", tmp_path)
     finally:
         proxy.close()
@@ -147,11 +148,12 @@ async def test_claude_code_reads_then_edits_a_file(tmp_path, empty_config, famil
     assert notes.read_text() == "color = blue\n"
     assert out.strip() == FINAL, (out, err)
     bodies = proxy.bodies("/v1/messages?beta=true")
-    assert len(bodies) == len(c.decode.requests) == 3 and all(b["stream"] for b in bodies)
+    assert len(bodies) == len(c.decode.requests) == 4 and all(b["stream"] for b in bodies)
     prompts = _prompts(c)
     assert "color = red" in prompts[1] and "has been updated successfully" in prompts[2]
+    assert "color = blue" in prompts[3]  # the shell command's output
     if family == "gpt_oss":  # thinking blocks sent back, each rendered before its call
         assert [b["type"] for b in bodies[2]["messages"][-2]["content"]] == ["thinking", "tool_use"]
-        for (reasoning, name, _), prompt in zip(steps[:2], prompts[1:]):
+        for (reasoning, name, _), prompt in zip(steps[:3], prompts[1:]):
             assert (f"<|start|>assistant<|channel|>analysis<|message|>{reasoning}<|end|>"
                     f"<|start|>assistant<|channel|>commentary to=functions.{name}") in prompt

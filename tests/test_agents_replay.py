@@ -112,8 +112,8 @@ async def _messages(c: Cluster, body: dict) -> Message:
 
 
 async def test_claude_code_tool_loop_request_is_served(gpt_oss):
-    """Claude Code 2.1.197's third request: two assistant turns of [thinking, tool_use] (Read, then Edit) and their
-    tool_result blocks. Its first turn (the messages before the first assistant turn) gets a tool_use back."""
+    """Claude Code 2.1.197's fourth request: three assistant turns of [thinking, tool_use] (Read, Edit, Bash) and
+    their tool_result blocks. Its first turn (the messages before the first assistant turn) gets a tool_use back."""
     c, fixture = gpt_oss, _fixture("claude_code_print_tool_loop.json")
     body = fixture["body"]
     assert fixture["captured"]["headers"]["user-agent"].startswith("claude-cli/2.1.197")
@@ -121,7 +121,8 @@ async def test_claude_code_tool_loop_request_is_served(gpt_oss):
     roles = [m["role"] for m in body["messages"]]
     cut = roles.index("assistant")
     turns = [m for m in body["messages"][cut:] if m["role"] == "assistant"]
-    assert [[b["type"] for b in t["content"]] for t in turns] == [["thinking", "tool_use"]] * 2
+    assert [[b["type"] for b in t["content"]] for t in turns] == [["thinking", "tool_use"]] * 3
+    assert [t["content"][1]["name"] for t in turns] == ["Read", "Edit", "Bash"]
 
     c.decode.speak(c.folder, _call("Read", {"file_path": "/tmp/agent/work/notes.txt"}))
     first = await _messages(c, {**body, "messages": body["messages"][:cut]})
