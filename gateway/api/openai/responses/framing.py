@@ -95,6 +95,9 @@ class ResponsesFraming(BlockFraming):
         body = self.response("completed", done)
         if self.store is not None:
             turn: dict = {"role": "assistant", "content": self.blocks.text or None}
+            reasoning = "".join(b.text for b in self.blocks.blocks if b.kind == "reasoning")
+            if reasoning:  # a follow-up's template gets it back, as a client's reasoning item
+                turn["reasoning"] = reasoning
             if self.blocks.calls:
                 turn["tool_calls"] = [{k: v for k, v in c.openai(i).items() if k != "index"}
                                       for i, c in enumerate(self.blocks.calls)]

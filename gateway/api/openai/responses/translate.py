@@ -21,8 +21,24 @@ NAMESPACE_SEP = "__"
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
+def _reasoning(item: dict, param: str) -> str:
+    """A reasoning item's text: its `content` (reasoning_text parts, what this gateway answers), else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    return text_of(parts, f"{param}.content", _TEXT_PARTS)
+
+
+def _reasoned(out: list[dict]) -> dict | None:
+    """The assistant turn a reasoning item opened and nothing has joined yet (no text, no calls), else None."""
+    last = out[-1] if out else None
+    if last and last["role"] == "assistant" and last.get("content") is None and "tool_calls" not in last:
+        return last
+    return None
+
+
 def input_messages(items: str | list[dict]) -> list[dict]:
-    """`input` as chat messages. Reasoning items are dropped: the chat templates re-render no earlier reasoning."""
+    """`input` as chat messages. A reasoning item opens the assistant turn its response's message and calls join, as
+    its `reasoning` (the chat API's passback: gateway.text.history gives it to the template, which renders a tool-call
+    turn's reasoning, as gpt-oss's published template does)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
@@ -33,9 +49,20 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"{param}.role must be user, assistant, system or developer", param=param)
+            text = text_of(item.get("content", ""), f"{param}.content", _TEXT_PARTS)
+            turn = _reasoned(out)
+            if role == "assistant" and turn is not None:
+                turn["content"] = text  # the answer after its reasoning
+                continue
             # Chat templates know system, not developer; the Responses API treats them alike.
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": text_of(item.get("content", ""), f"{param}.content", _TEXT_PARTS)})
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "reasoning":
+            text = _reasoning(item, param)
+            turn = _reasoned(out)
+            if turn is not None:
+                turn["reasoning"] = (turn.get("reasoning") or "") + text  # more than one item: one analysis
+            elif text:
+                out.append({"role": "assistant", "content": None, "reasoning": text})
         elif kind == "function_call":
             name = item.get("name")
             if item.get("namespace"):  # the flat name the model was shown
@@ -50,7 +77,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": text_of(output, f"{param}.output", _TEXT_PARTS)})
-        elif kind != "reasoning":
+        else:
             raise InvalidRequest(f"{param}: input items of type {kind!r} are not supported", param=param)
     return out
 
