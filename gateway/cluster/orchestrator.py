@@ -297,6 +297,11 @@ class Choices:
     def first(self) -> GenerationStream:
         return self.gens[0]
 
+    def headers(self) -> dict[str, str]:
+        """The first choice's node headers, and how long the request waited in the gateway's queue."""
+        waited = self.waiting.waited_s if self.waiting is not None else 0.0
+        return {**self.first.headers(), "x-disagg-queue-ms": f"{waited * 1000.0:.1f}"}
+
     @property
     def dones(self) -> list[DoneLine | None]:
         return [g.done for g in self.gens]

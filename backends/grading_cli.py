@@ -1,0 +1,206 @@
+"""`disagg bench grading`: predict a class from the cost model (backends/grading_predict.py), replay it against the
+running gateway (backends/grading.py), print measured against predicted, and write a JSON result and a PNG timeline.
+`--baseline mac-alone` replays the same class through a second gateway over the same nodes whose models have no
+prefill nodes (every prompt prefilled on its Mac, Ollama's way); `--predict` runs no replay: both makespans for the
+config's site at the published rates (docs/deploy.md section 9)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kv_bridge.config import Settings
+
+from backends import grading, grading_predict as gp, grading_rates
+
+CALIBRATE_TOKENS = 32
+
+
+def add_parser(sub, common) -> None:
+    g = sub.add_parser("grading", parents=[common], help="replay a class of grading requests against the gateway")
+    g.add_argument("--submissions", type=int, default=60, help="submissions in the class (two requests each)")
+    g.add_argument("--scale", type=float, default=1.0, help="prompt lengths (6k-25k) and num_predict (2000-3500) "
+                   "times this (a small site: e.g. 0.05)")
+    g.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: the app's, one per model)")
+    g.add_argument("--models", help="analysis,feedback model ids (default: the config's [[models]] in order)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--url", help="the gateway (default: the config's [gateway] address)")
+    g.add_argument("--api-key", default=os.environ.get("DISAGG_API_KEY"), help="default: $DISAGG_API_KEY, or the "
+                   "first key of the config's [auth]")
+    g.add_argument("--baseline", choices=("mac-alone",), help="replay the class again with every prompt prefilled on "
+                   "its Mac (a second gateway over the same nodes, no prefill nodes)")
+    g.add_argument("--predict", action="store_true", help="no replay: the split and Mac-alone makespans of the "
+                   "config's site at the published rates, their ratio and the dominant term")
+    g.add_argument("--batch-cost", type=float, default=None, help="a decode batch step's cost per extra generation, "
+                   "as a share of one step (default: 0.1 published site, 0.5 a running one)")
+    g.add_argument("--timeout", type=float, default=grading.CLIENT_TIMEOUT_S, help="client timeout per request (s)")
+    g.add_argument("--json", type=Path, default=Path("grading.json"), help="the result file")
+    g.add_argument("--png", type=Path, default=Path("grading.png"), help="the timeline ('' for none)")
+    g.add_argument("--no-progress", action="store_true")
+    g.set_defaults(func=main)
+
+
+def _calls_for_sim(calls: list[grading.Call]) -> list[gp.Call]:
+    return [gp.Call(c.index, c.model, c.prompt_tokens or c.target_tokens, c.num_predict, c.lane) for c in calls]
+
+
+def _models(settings: Settings, args) -> list[str]:
+    return args.models.split(",") if args.models else [m.id for m in settings.models][:2]
+
+
+def predict(settings: Settings, base: Path, args) -> dict:
+    """Both makespans of the class for the config's site at the published rates."""
+    site = grading_rates.published_site(settings, base)
+    if args.batch_cost is not None:
+        site.batch_cost = args.batch_cost
+    calls = grading.workload(args.submissions, _models(settings, args), args.scale, args.seed, args.concurrency)
+    out = {}
+    for mode in ("split", "mac-alone"):
+        out[mode] = gp.summary(gp.simulate(site, _calls_for_sim(calls), mode))
+    out["ratio"] = round(out["mac-alone"]["makespan_s"] / max(out["split"]["makespan_s"], 1e-9), 2)
+    return out
+
+
+def _print_prediction(p: dict, n: int, concurrency: str) -> None:
+    print(f"predicted, {n} submissions at concurrency {concurrency}:")
+    for mode in ("split", "mac-alone"):
+        s = p[mode]
+        terms = ", ".join(f"{k} {v:.0f}" for k, v in s["terms_s"].items())
+        print(f"  {mode:>9}: makespan {s['makespan_s']:.0f} s ({s['makespan_s'] / 60:.1f} min); request-seconds: "
+              f"{terms}; dominant: {s['dominant']}")
+    print(f"  Mac-alone / split: {p['ratio']:.2f}x")
+
+
+def _gateway_url(settings: Settings) -> str:
+    host = settings.gateway.host
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{settings.gateway.port}"
+
+
+def _calibrate(replay: grading.Replay, models: list[str]) -> dict[str, float]:
+    """One short request per model: its decode tokens/s (eval_count / eval_duration)."""
+    out = {}
+    with httpx.Client(timeout=replay.timeout) as http:
+        for m in models:
+            r = http.post(replay.url + "/api/generate", headers=replay.headers, json={
+                "model": m, "prompt": "Count from one to fifty in words.", "stream": False,
+                "options": {"num_predict": CALIBRATE_TOKENS, "temperature": 0.2}})
+            if r.status_code == 200 and r.json().get("eval_duration"):
+                d = r.json()
+                out[m] = max(1, d["eval_count"] - 1) / (d["eval_duration"] / 1e9)
+    return out
+
+
+def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode: str) -> dict:
+    predicted = gp.summary(gp.simulate(site, _calls_for_sim(calls), mode))
+    print(f"{mode}: predicted makespan {predicted['makespan_s']:.1f} s (dominant: {predicted['dominant']}); "
+          f"replaying {len(calls)} requests", flush=True)
+    results, makespan = replay.run(calls)
+    m = grading.measured(results, makespan)
+    ratio = m["makespan_s"] / max(predicted["makespan_s"], 1e-9)
+    print(f"{mode}: measured {m['makespan_s']:.1f} s against predicted {predicted['makespan_s']:.1f} s "
+          f"({ratio:.2f}x); latency p50 {m['latency_s']['p50']:.1f} / p95 {m['latency_s']['p95']:.1f} / max "
+          f"{m['latency_s']['max']:.1f} s; tokens/s in {m['tokens_per_s']['in']:.0f}, out "
+          f"{m['tokens_per_s']['out']:.1f}; JSON valid {m['json_valid']}; paths {m['paths']}; errors {m['errors']}")
+    for r in results:
+        what = r.error or f"{r.path:>13} on {r.node:<8} {r.prompt_tokens:>6} in {r.output_tokens:>5} out"
+        print(f"  s{r.submission:02d} {r.role:<8} {r.model:<16} {r.latency:7.1f} s  queued {r.queue_s:5.1f}  {what}")
+    return {"mode": mode, "predicted": predicted, "measured": m, "measured_over_predicted": round(ratio, 3),
+            "requests": grading.result_rows(results)}
+
+
+class MacAloneGateway:
+    """A second gateway process over the same nodes, its models without prefill nodes: the local path only."""
+
+    def __init__(self, config: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        code = "import sys; from backends.grading_cli import serve_mac_alone; serve_mac_alone(sys.argv[1], int(sys.argv[2]))"
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"disagg-mac-alone-{port}.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(config), str(port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+
+    def wait(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Mac-alone gateway exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the Mac-alone gateway did not answer /health in {timeout:.0f} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def serve_mac_alone(config: str, port: int) -> None:
+    from gateway.app import serve
+    from kv_bridge.config import load_config
+
+    s = load_config(config)
+    serve(s.model_copy(update={"gateway": s.gateway.model_copy(update={"host": "127.0.0.1", "port": port}),
+                               "models": [m.model_copy(update={"prefill": []}) for m in s.models]}))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(settings: Settings, args: argparse.Namespace) -> int:
+    base = Path(args.config).resolve().parent
+    models = _models(settings, args)
+    conc = str(args.concurrency or f"{len(models)} (the app's)")
+    if args.predict:
+        p = predict(settings, base, args)
+        _print_prediction(p, args.submissions, conc)
+        args.json.write_text(json.dumps({"predict": p, "submissions": args.submissions, "scale": args.scale,
+                                         "config": str(args.config)}, indent=1))
+        return 0
+    key = args.api_key or next(iter(settings.auth.client_keys()), None)
+    replay = grading.Replay(args.url or _gateway_url(settings), key, not args.no_progress, args.timeout)
+    calls = grading.workload(args.submissions, models, args.scale, args.seed, args.concurrency)
+    replay.count_tokens(calls)
+    health = httpx.get(replay.url + "/health", timeout=10).json()
+    decode_tps = _calibrate(replay, models)
+    site = grading_rates.learned_site(settings, base, health, decode_tps,
+                                      0.5 if args.batch_cost is None else args.batch_cost)
+    print(f"decode tokens/s per model (calibrated): {({m: round(v, 1) for m, v in decode_tps.items()})}")
+    runs = [_run(replay, calls, site, "split")]
+    if args.baseline == "mac-alone":
+        gw = MacAloneGateway(args.config, _free_port())
+        try:
+            gw.wait()
+            runs.append(_run(grading.Replay(gw.url, key, not args.no_progress, args.timeout), calls, site,
+                             "mac-alone"))
+        finally:
+            gw.stop()
+        ratio = runs[1]["measured"]["makespan_s"] / max(runs[0]["measured"]["makespan_s"], 1e-9)
+        print(f"Mac-alone / split, measured: {ratio:.2f}x (predicted {runs[1]['predicted']['makespan_s'] / max(runs[0]['predicted']['makespan_s'], 1e-9):.2f}x)")
+    result = {"submissions": args.submissions, "scale": args.scale, "concurrency": args.concurrency or len(models),
+              "models": models, "decode_tokens_per_s": decode_tps, "runs": runs}
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"result: {args.json}")
+    if str(args.png) not in ("", "."):
+        from backends.grading_plot import timeline
+
+        print(f"timeline: {timeline([(r['mode'], r['requests'], r['predicted']) for r in runs], str(args.png))}")
+    return 1 if any(r["measured"]["errors"] for r in runs) else 0
