@@ -16,7 +16,8 @@ import httpx
 
 PROMPT_TOKENS = (6000, 25000)   # rubric + notebook (DESIGN.md "The site's workload")
 NUM_PREDICT = (2000, 3500)
-CHARS_PER_TOKEN = 4.0           # English and Python under a BPE tokenizer, roughly; /tokenize gives the real count
+CHARS_PER_TOKEN = 2.8           # this notebook text under SmolLM2's BPE (measured); /tokenize gives the real count
+HEADER_TOKENS = 170             # the rubric and the task
 CLIENT_TIMEOUT_S = 300.0        # the app's
 RUBRIC = """You are grading a student's Jupyter notebook for the course "Introduction to Data Analysis".
 Rubric (total 10 points):
@@ -61,6 +62,7 @@ class Call:
     json_format: bool
     lane: int = 0
     prompt_tokens: int = 0  # the gateway's /tokenize count, or an estimate
+    seed: int = 0           # the sampling seed (the app sends none; a replay is repeatable)
 
 
 def notebook(rng: random.Random, tokens: int) -> str:
@@ -73,9 +75,11 @@ def notebook(rng: random.Random, tokens: int) -> str:
     return "\n".join(parts)
 
 
-def workload(n: int, models: list[str], scale: float = 1.0, seed: int = 0, concurrency: int | None = None) -> list[Call]:
+def workload(n: int, models: list[str], scale: float = 1.0, seed: int = 0, concurrency: int | None = None,
+             predict_scale: float | None = None) -> list[Call]:
     """`n` submissions x the app's two calls (the first model analyses with format json, the second gives feedback),
-    submission by submission; lanes: `concurrency` split evenly across the models (default one per model)."""
+    submission by submission; lanes: `concurrency` split evenly across the models (default one per model);
+    `predict_scale` scales num_predict (default: `scale`, as the prompts)."""
     if len(models) not in (1, 2):
         raise ValueError(f"a class runs on one or two models (analysis, feedback), got {models}")
     rng = random.Random(seed)
@@ -89,15 +93,16 @@ def workload(n: int, models: list[str], scale: float = 1.0, seed: int = 0, concu
         first += k
     calls = []
     for s in range(n):
-        student = notebook(rng, max(1, int(rng.randint(*PROMPT_TOKENS) * scale) - 150))
         for j, role in enumerate(("analysis", "feedback")):
             model = models[j % len(models)]
-            target = int(rng.randint(*PROMPT_TOKENS) * scale) if j else len(student) // int(CHARS_PER_TOKEN) + 150
-            text = student if not j else notebook(rng, max(1, target - 150))
+            target = max(HEADER_TOKENS + 1, int(rng.randint(*PROMPT_TOKENS) * scale))
+            text = notebook(rng, target - HEADER_TOKENS)
             lane_list = lanes[model]
             lane = lane_list[(s if len(models) == 2 else len(calls)) % len(lane_list)]
             calls.append(Call(len(calls), s, role, model, f"{RUBRIC}\n{TASKS[role]}\n\n{text}", target,
-                              max(1, int(rng.randint(*NUM_PREDICT) * scale)), role == "analysis", lane))
+                              max(1, int(rng.randint(*NUM_PREDICT) * (scale if predict_scale is None else
+                                                                        predict_scale))), role == "analysis", lane,
+                              seed=rng.randrange(2**31)))
     return calls
 
 
@@ -123,6 +128,8 @@ class Result:
     ttft_s: float = 0.0     # prompt_eval_duration: queue + prefill + KV + the first token
     decode_s: float = 0.0   # eval_duration
     json_valid: bool | None = None
+    done_reason: str = ""   # "stop", or "length" when num_predict cut the answer
+    answer: str = ""        # the answer's first 160 characters
     segments: dict = field(default_factory=dict)
 
     @property
@@ -208,7 +215,7 @@ class Replay:
 
     def _one(self, http: httpx.Client, c: Call, r: Result) -> None:
         body = {"model": c.model, "prompt": c.prompt, "stream": False,
-                "options": {"num_predict": c.num_predict, "temperature": 0.2, "top_p": 0.9}}
+                "options": {"num_predict": c.num_predict, "temperature": 0.2, "top_p": 0.9, "seed": c.seed}}
         if c.json_format:
             body["format"] = "json"
         try:
@@ -232,6 +239,7 @@ class Replay:
         r.ttft_s = data.get("prompt_eval_duration", 0) / 1e9
         r.decode_s = data.get("eval_duration", 0) / 1e9
         r.json_valid = _json_valid(data.get("response", "")) if c.json_format else None
+        r.done_reason, r.answer = data.get("done_reason", ""), data.get("response", "")[:160]
 
     def _bar(self, total: int, t0: float, stop: threading.Event) -> None:
         while not stop.wait(1.0):
@@ -263,6 +271,7 @@ def measured(results: list[Result], makespan: float) -> dict:
             "tokens_per_s": {"in": round(sum(r.prompt_tokens for r in ok) / max(makespan, 1e-9), 1),
                              "out": round(sum(r.output_tokens for r in ok) / max(makespan, 1e-9), 1)},
             "json_valid": f"{sum(bool(r.json_valid) for r in json_calls)}/{len(json_calls)}",
+            "cut_by_num_predict": sum(r.done_reason == "length" for r in ok),
             "paths": {p: sum(r.path == p for r in ok) for p in sorted({r.path for r in ok})}}
 
 

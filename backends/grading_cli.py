@@ -28,6 +28,7 @@ def add_parser(sub, common) -> None:
     g.add_argument("--submissions", type=int, default=60, help="submissions in the class (two requests each)")
     g.add_argument("--scale", type=float, default=1.0, help="prompt lengths (6k-25k) and num_predict (2000-3500) "
                    "times this (a small site: e.g. 0.05)")
+    g.add_argument("--num-predict-scale", type=float, default=None, help="num_predict times this (default: --scale)")
     g.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: the app's, one per model)")
     g.add_argument("--models", help="analysis,feedback model ids (default: the config's [[models]] in order)")
     g.add_argument("--seed", type=int, default=0)
@@ -60,7 +61,8 @@ def predict(settings: Settings, base: Path, args) -> dict:
     site = grading_rates.published_site(settings, base)
     if args.batch_cost is not None:
         site.batch_cost = args.batch_cost
-    calls = grading.workload(args.submissions, _models(settings, args), args.scale, args.seed, args.concurrency)
+    calls = grading.workload(args.submissions, _models(settings, args), args.scale, args.seed, args.concurrency,
+                             getattr(args, "num_predict_scale", None))
     out = {}
     for mode in ("split", "mac-alone"):
         out[mode] = gp.summary(gp.simulate(site, _calls_for_sim(calls), mode))
@@ -107,7 +109,7 @@ def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode:
     print(f"{mode}: measured {m['makespan_s']:.1f} s against predicted {predicted['makespan_s']:.1f} s "
           f"({ratio:.2f}x); latency p50 {m['latency_s']['p50']:.1f} / p95 {m['latency_s']['p95']:.1f} / max "
           f"{m['latency_s']['max']:.1f} s; tokens/s in {m['tokens_per_s']['in']:.0f}, out "
-          f"{m['tokens_per_s']['out']:.1f}; JSON valid {m['json_valid']}; paths {m['paths']}; errors {m['errors']}")
+          f"{m['tokens_per_s']['out']:.1f}; JSON valid {m['json_valid']} ({m['cut_by_num_predict']} cut by num_predict); paths {m['paths']}; errors {m['errors']}")
     for r in results:
         what = r.error or f"{r.path:>13} on {r.node:<8} {r.prompt_tokens:>6} in {r.output_tokens:>5} out"
         print(f"  s{r.submission:02d} {r.role:<8} {r.model:<16} {r.latency:7.1f} s  queued {r.queue_s:5.1f}  {what}")
@@ -177,7 +179,8 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     key = args.api_key or next(iter(settings.auth.client_keys()), None)
     replay = grading.Replay(args.url or _gateway_url(settings), key, not args.no_progress, args.timeout)
-    calls = grading.workload(args.submissions, models, args.scale, args.seed, args.concurrency)
+    calls = grading.workload(args.submissions, models, args.scale, args.seed, args.concurrency,
+                             args.num_predict_scale)
     replay.count_tokens(calls)
     health = httpx.get(replay.url + "/health", timeout=10).json()
     decode_tps = _calibrate(replay, models)
