@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -106,14 +107,21 @@ def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode:
     results, makespan = replay.run(calls)
     m = grading.measured(results, makespan)
     ratio = m["makespan_s"] / max(predicted["makespan_s"], 1e-9)
+    # The same model given what the replay could not know before: each answer's length (num_predict is only a cap)
+    # and each prompt's count as the gateway reported it.
+    known = [gp.Call(c.index, c.model, r.prompt_tokens or c.prompt_tokens, r.output_tokens or c.num_predict, c.lane)
+             for c, r in zip(calls, results)]
+    posterior = gp.summary(gp.simulate(site, known, mode))
     print(f"{mode}: measured {m['makespan_s']:.1f} s against predicted {predicted['makespan_s']:.1f} s "
           f"({ratio:.2f}x); latency p50 {m['latency_s']['p50']:.1f} / p95 {m['latency_s']['p95']:.1f} / max "
           f"{m['latency_s']['max']:.1f} s; tokens/s in {m['tokens_per_s']['in']:.0f}, out "
-          f"{m['tokens_per_s']['out']:.1f}; JSON valid {m['json_valid']} ({m['cut_by_num_predict']} cut by num_predict); paths {m['paths']}; errors {m['errors']}")
+          f"{m['tokens_per_s']['out']:.1f}; predicted with the answers' lengths known {posterior['makespan_s']:.1f} s "
+          f"({m['makespan_s'] / max(posterior['makespan_s'], 1e-9):.2f}x); JSON valid {m['json_valid']} ({m['cut_by_num_predict']} cut by num_predict); paths {m['paths']}; errors {m['errors']}")
     for r in results:
         what = r.error or f"{r.path:>13} on {r.node:<8} {r.prompt_tokens:>6} in {r.output_tokens:>5} out"
         print(f"  s{r.submission:02d} {r.role:<8} {r.model:<16} {r.latency:7.1f} s  queued {r.queue_s:5.1f}  {what}")
     return {"mode": mode, "predicted": predicted, "measured": m, "measured_over_predicted": round(ratio, 3),
+            "predicted_given_lengths": posterior,
             "requests": grading.result_rows(results)}
 
 
@@ -168,6 +176,7 @@ def _free_port() -> int:
 
 
 def main(settings: Settings, args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the report
     base = Path(args.config).resolve().parent
     models = _models(settings, args)
     conc = str(args.concurrency or f"{len(models)} (the app's)")

@@ -16,8 +16,8 @@ def timeline(runs: list[tuple[str, list[dict], dict | None]], path: str) -> str:
     import matplotlib.pyplot as plt
 
     rows = max(len(r) for _, r, _ in runs)
-    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 1.2 + 0.22 * rows), sharex=True, squeeze=False)
-    end = max((row["end"] for _, r, _ in runs for row in r), default=1.0)
+    fig, axes = plt.subplots(1, len(runs), figsize=(max(9, 7 * len(runs)), 1.6 + 0.22 * rows), sharex=True, squeeze=False)
+    end = max([row["end"] for _, r, _ in runs for row in r] + [p["makespan_s"] for _, _, p in runs if p] or [1.0])
     for ax, (title, results, predicted) in zip(axes[0], runs):
         for y, row in enumerate(results):
             for name, (a, b) in (row.get("segments") or {}).items():
@@ -38,8 +38,8 @@ def timeline(runs: list[tuple[str, list[dict], dict | None]], path: str) -> str:
         ax.set_xlabel("seconds since the class started")
         ax.set_xlim(0, end * 1.02)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    fig.legend(handles, LABELS.values(), loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.legend(handles, LABELS.values(), loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 1.0 / (1.6 + 0.22 * rows), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -136,7 +136,10 @@ async def test_the_queue_wait_is_in_the_answers_headers(empty_config):
         gate.set()
         (s1, h1, _), (s2, h2, _) = await first, await second
         assert s1 == s2 == 200
-        assert float(h1["x-disagg-queue-ms"]) < 100 <= float(h2["x-disagg-queue-ms"])
+        waited = float(h2["x-disagg-queue-ms"])
+        assert float(h1["x-disagg-queue-ms"]) < 100 <= waited
+        # the cost model's time to first token includes the wait, as prompt_eval_duration does
+        assert float(h2["x-disagg-predicted-ttft-ms"]) >= waited
     finally:
         await c.stop()
 
