@@ -86,17 +86,31 @@ def _gateway_url(settings: Settings) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{settings.gateway.port}"
 
 
-def _calibrate(replay: grading.Replay, models: list[str]) -> dict[str, float]:
-    """One short request per model: its decode tokens/s (eval_count / eval_duration)."""
-    out = {}
+def _calibrate(replay: grading.Replay, calls: list[grading.Call]) -> dict[str, dict[str, float]]:
+    """One request per model, its first prompt of the class with num_predict 32: the rates of the machine now, as
+    the gateway reports them (decode: eval_count / eval_duration; prefill: prompt tokens / x-disagg-prefill-ms; ingest:
+    prompt tokens / the rest of the time to first token). The gateway's learned rates may be minutes old."""
+    out: dict[str, dict[str, float]] = {}
     with httpx.Client(timeout=replay.timeout) as http:
-        for m in models:
+        for c in calls:
+            if c.model in out:
+                continue
             r = http.post(replay.url + "/api/generate", headers=replay.headers, json={
-                "model": m, "prompt": "Count from one to fifty in words.", "stream": False,
-                "options": {"num_predict": CALIBRATE_TOKENS, "temperature": 0.2}})
-            if r.status_code == 200 and r.json().get("eval_duration"):
-                d = r.json()
-                out[m] = max(1, d["eval_count"] - 1) / (d["eval_duration"] / 1e9)
+                "model": c.model, "prompt": c.prompt, "stream": False,
+                "options": {"num_predict": CALIBRATE_TOKENS, "temperature": 0.2, "seed": c.seed}})
+            if r.status_code != 200 or not r.json().get("eval_duration"):
+                continue
+            d, h = r.json(), r.headers
+            rates = {"decode": max(1, d["eval_count"] - 1) / (d["eval_duration"] / 1e9)}
+            prefill_s = float(h.get("x-disagg-prefill-ms", 0)) / 1000
+            rest = d["prompt_eval_duration"] / 1e9 - prefill_s - float(h.get("x-disagg-queue-ms", 0)) / 1000
+            if h.get("x-disagg-path") == "local" and rest > 0:
+                rates["local"] = d["prompt_eval_count"] / rest
+            if h.get("x-disagg-path") == "disaggregated" and prefill_s > 0:
+                rates["prefill"] = d["prompt_eval_count"] / prefill_s
+                if rest > 0:
+                    rates["ingest"] = d["prompt_eval_count"] / rest
+            out[c.model] = rates
     return out
 
 
@@ -192,23 +206,30 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
                              args.num_predict_scale)
     replay.count_tokens(calls)
     health = httpx.get(replay.url + "/health", timeout=10).json()
-    decode_tps = _calibrate(replay, models)
-    site = grading_rates.learned_site(settings, base, health, decode_tps,
+    measured_rates = _calibrate(replay, calls)
+    site = grading_rates.learned_site(settings, base, health, measured_rates,
                                       0.5 if args.batch_cost is None else args.batch_cost)
-    print(f"decode tokens/s per model (calibrated): {({m: round(v, 1) for m, v in decode_tps.items()})}")
+    print("rates measured by one request per model (tokens/s): " + "; ".join(
+        f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in measured_rates.items()))
     runs = [_run(replay, calls, site, "split")]
     if args.baseline == "mac-alone":
         gw = MacAloneGateway(args.config, _free_port())
         try:
             gw.wait()
-            runs.append(_run(grading.Replay(gw.url, key, not args.no_progress, args.timeout), calls, site,
+            alone = grading.Replay(gw.url, key, not args.no_progress, args.timeout)
+            local = _calibrate(alone, calls)
+            print("Mac-alone rates measured by one request per model (tokens/s): " + "; ".join(
+                f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in local.items()))
+            merged = {m: {**measured_rates.get(m, {}), **{k: v for k, v in local.get(m, {}).items() if k == "local"}}
+                      for m in models}
+            runs.append(_run(alone, calls, grading_rates.learned_site(settings, base, health, merged, site.batch_cost),
                              "mac-alone"))
         finally:
             gw.stop()
         ratio = runs[1]["measured"]["makespan_s"] / max(runs[0]["measured"]["makespan_s"], 1e-9)
         print(f"Mac-alone / split, measured: {ratio:.2f}x (predicted {runs[1]['predicted']['makespan_s'] / max(runs[0]['predicted']['makespan_s'], 1e-9):.2f}x)")
     result = {"submissions": args.submissions, "scale": args.scale, "concurrency": args.concurrency or len(models),
-              "models": models, "decode_tokens_per_s": decode_tps, "runs": runs}
+              "models": models, "calibrated_rates": measured_rates, "runs": runs}
     args.json.write_text(json.dumps(result, indent=1))
     print(f"result: {args.json}")
     if str(args.png) not in ("", "."):

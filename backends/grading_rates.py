@@ -72,10 +72,10 @@ def _value(table: dict, key: str, default: float) -> float:
     return float(v) if v else default
 
 
-def learned_site(settings: Settings, base: Path, health: dict, decode_tps: dict[str, float],
+def learned_site(settings: Settings, base: Path, health: dict, measured: dict[str, dict[str, float]],
                  batch_cost: float) -> Site:
-    """The config's topology at the gateway's learned rates (its /health `rates`, priors until traffic) and the
-    decode rates measured per model."""
+    """The config's topology at the rates measured per model now (`measured`: decode, and prefill and ingest where
+    the request went disaggregated), else the gateway's learned ones (its /health `rates`, priors until traffic)."""
     snap = health.get("rates") or {}
     cfg = settings.gateway.rates
     geo = _geometry(settings, base)
@@ -90,6 +90,8 @@ def learned_site(settings: Settings, base: Path, health: dict, decode_tps: dict[
         ingest = min(_value(snap.get("ingest_tokens_per_s", {}), f"{n}/{r.id}", 20000.0) for n in r.decode)
         wire, held = _kv_bytes(geo.get(r.id), settings.kv.wire_dtype)
         wire = float((snap.get("kv_bytes_per_token") or {}).get(r.id) or wire)
-        rates[r.id] = ModelRates(((0, pre),), ((0, local),), ((0, decode_tps.get(r.id, 10.0)),), wire, held, ingest)
+        now = measured.get(r.id, {})
+        rates[r.id] = ModelRates(((0, now.get("prefill", pre)),), ((0, now.get("local", local)),), ((0, now.get("decode", 10.0)),), wire,
+                                 held, now.get("ingest", ingest))
     return Site(routes(settings), rates, link, settings.kv.max_inflight_bytes, settings.decode.max_batch_size,
                 batch_cost)
