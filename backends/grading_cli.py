@@ -21,7 +21,6 @@ from kv_bridge.config import Settings
 
 from backends import grading, grading_predict as gp, grading_rates
 
-CALIBRATE_TOKENS = 32
 
 
 def add_parser(sub, common) -> None:
@@ -49,8 +48,11 @@ def add_parser(sub, common) -> None:
     g.set_defaults(func=main)
 
 
-def _calls_for_sim(calls: list[grading.Call]) -> list[gp.Call]:
-    return [gp.Call(c.index, c.model, c.prompt_tokens or c.target_tokens, c.num_predict, c.lane) for c in calls]
+def _calls_for_sim(calls: list[grading.Call], share: dict[str, float] | None = None) -> list[gp.Call]:
+    """The replay's calls for the simulation: each answer `share` of its num_predict (per model; default all)."""
+    share = share or {}
+    return [gp.Call(c.index, c.model, c.prompt_tokens or c.target_tokens,
+                    max(1, round(c.num_predict * share.get(c.model, 1.0))), c.lane) for c in calls]
 
 
 def _models(settings: Settings, args) -> list[str]:
@@ -87,21 +89,21 @@ def _gateway_url(settings: Settings) -> str:
 
 
 def _calibrate(replay: grading.Replay, calls: list[grading.Call]) -> dict[str, dict[str, float]]:
-    """One request per model, its first prompt of the class with num_predict 32: the rates of the machine now, as
-    the gateway reports them (decode: eval_count / eval_duration; prefill: prompt tokens / x-disagg-prefill-ms; ingest:
-    prompt tokens / the rest of the time to first token). The gateway's learned rates may be minutes old."""
+    """One submission outside the class (its own seed: no prefix shared with the class), each call sent alone: the
+    rates of the machine now, as the gateway reports them (decode: eval_count / eval_duration; prefill: prompt
+    tokens / x-disagg-prefill-ms; ingest, or the Mac's own prefill on the local path: prompt tokens / the rest of the
+    time to first token) and how much of num_predict an answer uses (`answer_share`: num_predict is only a cap)."""
     out: dict[str, dict[str, float]] = {}
     with httpx.Client(timeout=replay.timeout) as http:
         for c in calls:
-            if c.model in out:
-                continue
             r = http.post(replay.url + "/api/generate", headers=replay.headers, json={
-                "model": c.model, "prompt": c.prompt, "stream": False,
-                "options": {"num_predict": CALIBRATE_TOKENS, "temperature": 0.2, "seed": c.seed}})
+                "model": c.model, "prompt": c.prompt, "stream": False, **({"format": "json"} if c.json_format else {}),
+                "options": {"num_predict": c.num_predict, "temperature": 0.2, "top_p": 0.9, "seed": c.seed}})
             if r.status_code != 200 or not r.json().get("eval_duration"):
                 continue
             d, h = r.json(), r.headers
-            rates = {"decode": max(1, d["eval_count"] - 1) / (d["eval_duration"] / 1e9)}
+            rates = {"decode": max(1, d["eval_count"] - 1) / (d["eval_duration"] / 1e9),
+                     "answer_share": min(1.0, d["eval_count"] / c.num_predict)}
             prefill_s = float(h.get("x-disagg-prefill-ms", 0)) / 1000
             rest = d["prompt_eval_duration"] / 1e9 - prefill_s - float(h.get("x-disagg-queue-ms", 0)) / 1000
             if h.get("x-disagg-path") == "local" and rest > 0:
@@ -114,8 +116,9 @@ def _calibrate(replay: grading.Replay, calls: list[grading.Call]) -> dict[str, d
     return out
 
 
-def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode: str) -> dict:
-    predicted = gp.summary(gp.simulate(site, _calls_for_sim(calls), mode))
+def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode: str,
+         share: dict[str, float]) -> dict:
+    predicted = gp.summary(gp.simulate(site, _calls_for_sim(calls, share), mode))
     print(f"{mode}: predicted makespan {predicted['makespan_s']:.1f} s (dominant: {predicted['dominant']}); "
           f"replaying {len(calls)} requests", flush=True)
     results, makespan = replay.run(calls)
@@ -206,24 +209,26 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
                              args.num_predict_scale)
     replay.count_tokens(calls)
     health = httpx.get(replay.url + "/health", timeout=10).json()
-    measured_rates = _calibrate(replay, calls)
+    calibration = grading.workload(1, models, args.scale, args.seed + 1_000_003, None, args.num_predict_scale)
+    measured_rates = _calibrate(replay, calibration)
+    share = {m: r["answer_share"] for m, r in measured_rates.items()}
     site = grading_rates.learned_site(settings, base, health, measured_rates,
                                       0.5 if args.batch_cost is None else args.batch_cost)
-    print("rates measured by one request per model (tokens/s): " + "; ".join(
+    print("measured by one submission outside the class (tokens/s; the share of num_predict an answer used): " + "; ".join(
         f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in measured_rates.items()))
-    runs = [_run(replay, calls, site, "split")]
+    runs = [_run(replay, calls, site, "split", share)]
     if args.baseline == "mac-alone":
         gw = MacAloneGateway(args.config, _free_port())
         try:
             gw.wait()
             alone = grading.Replay(gw.url, key, not args.no_progress, args.timeout)
-            local = _calibrate(alone, calls)
+            local = _calibrate(alone, calibration)
             print("Mac-alone rates measured by one request per model (tokens/s): " + "; ".join(
                 f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in local.items()))
             merged = {m: {**measured_rates.get(m, {}), **{k: v for k, v in local.get(m, {}).items() if k == "local"}}
                       for m in models}
             runs.append(_run(alone, calls, grading_rates.learned_site(settings, base, health, merged, site.batch_cost),
-                             "mac-alone"))
+                             "mac-alone", share))
         finally:
             gw.stop()
         ratio = runs[1]["measured"]["makespan_s"] / max(runs[0]["measured"]["makespan_s"], 1e-9)
