@@ -40,7 +40,11 @@ def add_parser(sub, common) -> None:
     g.add_argument("--predict", action="store_true", help="no replay: the split and Mac-alone makespans of the "
                    "config's site at the published rates, their ratio and the dominant term")
     g.add_argument("--batch-cost", type=float, default=None, help="a decode batch step's cost per extra generation, "
-                   "as a share of one step (default: 0.1 published site, 0.5 a running one)")
+                   "as a share of one step (default: 0.1, a Mac's memory-bound decode; 1.0 for a config with [site], "
+                   "mlx-cpu's compute-bound one)")
+    g.add_argument("--shared", type=float, default=None, help="every node on one machine: how many run at their "
+                   "measured speed at once (default: 1.5 for a config with [site], the one-machine rehearsal on 2 "
+                   "cores, fitted to two classes there; else none)")
     g.add_argument("--timeout", type=float, default=grading.CLIENT_TIMEOUT_S, help="client timeout per request (s)")
     g.add_argument("--json", type=Path, default=Path("grading.json"), help="the result file")
     g.add_argument("--png", type=Path, default=Path("grading.png"), help="the timeline ('' for none)")
@@ -118,7 +122,7 @@ def _calibrate(replay: grading.Replay, calls: list[grading.Call]) -> dict[str, d
 
 def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode: str,
          share: dict[str, float]) -> dict:
-    predicted = gp.summary(gp.simulate(site, _calls_for_sim(calls, share), mode))
+    predicted = gp.summary(gp.simulate(site, _calls_for_sim(calls, share), mode), site.shared)
     print(f"{mode}: predicted makespan {predicted['makespan_s']:.1f} s (dominant: {predicted['dominant']}); "
           f"replaying {len(calls)} requests", flush=True)
     results, makespan = replay.run(calls)
@@ -128,7 +132,7 @@ def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode:
     # and each prompt's count as the gateway reported it.
     known = [gp.Call(c.index, c.model, r.prompt_tokens or c.prompt_tokens, r.output_tokens or c.num_predict, c.lane)
              for c, r in zip(calls, results)]
-    posterior = gp.summary(gp.simulate(site, known, mode))
+    posterior = gp.summary(gp.simulate(site, known, mode), site.shared)
     print(f"{mode}: measured {m['makespan_s']:.1f} s against predicted {predicted['makespan_s']:.1f} s "
           f"({ratio:.2f}x); latency p50 {m['latency_s']['p50']:.1f} / p95 {m['latency_s']['p95']:.1f} / max "
           f"{m['latency_s']['max']:.1f} s; tokens/s in {m['tokens_per_s']['in']:.0f}, out "
@@ -184,6 +188,11 @@ def serve_mac_alone(config: str, port: int) -> None:
                                "models": [m.model_copy(update={"prefill": []}) for m in s.models]}))
 
 
+def _with(site: gp.Site, shared: float | None) -> gp.Site:
+    site.shared = shared
+    return site
+
+
 def _free_port() -> int:
     import socket
 
@@ -212,8 +221,10 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
     calibration = grading.workload(1, models, args.scale, args.seed + 1_000_003, None, args.num_predict_scale)
     measured_rates = _calibrate(replay, calibration)
     share = {m: r["answer_share"] for m, r in measured_rates.items()}
-    site = grading_rates.learned_site(settings, base, health, measured_rates,
-                                      0.5 if args.batch_cost is None else args.batch_cost)
+    one_machine = "site" in settings.model_fields_set  # `make site`: every role on this machine's CPU
+    site = grading_rates.learned_site(settings, base, health, measured_rates, args.batch_cost if args.batch_cost
+                                      is not None else (1.0 if one_machine else grading_rates.MAC_BATCH_COST))
+    site.shared = args.shared if args.shared is not None else (1.5 if one_machine else None)
     print("measured by one submission outside the class (tokens/s; the share of num_predict an answer used): " + "; ".join(
         f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in measured_rates.items()))
     runs = [_run(replay, calls, site, "split", share)]
@@ -227,7 +238,7 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
                 f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in local.items()))
             merged = {m: {**measured_rates.get(m, {}), **{k: v for k, v in local.get(m, {}).items() if k == "local"}}
                       for m in models}
-            runs.append(_run(alone, calls, grading_rates.learned_site(settings, base, health, merged, site.batch_cost),
+            runs.append(_run(alone, calls, _with(grading_rates.learned_site(settings, base, health, merged, site.batch_cost), site.shared),
                              "mac-alone", share))
         finally:
             gw.stop()

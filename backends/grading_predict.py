@@ -42,6 +42,7 @@ class Site:
     kv_capacity_bytes: float = float("inf")         # per Mac: kv.max_inflight_bytes
     max_batch: int = 8                              # per Mac and model: [decode] max_batch_size
     batch_cost: float = 0.1
+    shared: float | None = None                     # one machine runs every node: how many at full speed at once
 
 
 @dataclass
@@ -246,8 +247,32 @@ def _refill(out: dict, lanes: dict, calls: list[Call], now: float, send) -> None
             send(lane)
 
 
-def summary(outcomes: list[Outcome]) -> dict:
-    """Makespan, the seconds each term took summed over requests, and the dominant one."""
+def busy_seconds(outcomes: list[Outcome]) -> float:
+    """The work of the class in seconds of a node at its measured speed: every prefill's compute plus each Mac's
+    decoding time (the union of its generations' decode spans)."""
+    total = sum(o.terms.get("prefill", 0.0) for o in outcomes)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for o in outcomes:
+        spans.setdefault(o.node, []).append((o.decode_start, o.end))
+    for intervals in spans.values():
+        end = float("-inf")
+        for a, b in sorted(intervals):
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+    return total
+
+
+def summary(outcomes: list[Outcome], shared: float | None = None) -> dict:
+    """Makespan, the seconds each term took summed over requests, and the dominant one. `shared`: every node runs on
+    one machine that gives this many of them their measured speed at once (`make site`: its roles share the CPU),
+    so the class takes at least its work over that; the term is then "machine"."""
     terms = {t: round(sum(o.terms.get(t, 0.0) for o in outcomes), 3) for t in TERMS}
-    return {"makespan_s": round(max((o.end for o in outcomes), default=0.0), 3), "terms_s": terms,
-            "dominant": max(terms, key=terms.get) if outcomes else None}
+    makespan = max((o.end for o in outcomes), default=0.0)
+    out = {"makespan_s": round(makespan, 3), "terms_s": terms,
+           "dominant": max(terms, key=terms.get) if outcomes else None}
+    if shared:
+        bound = busy_seconds(outcomes) / shared
+        out["machine_bound_s"] = round(bound, 3)
+        if bound > makespan:
+            out.update(makespan_s=round(bound, 3), dominant="machine")
+    return out

@@ -207,3 +207,13 @@ async def test_the_command_fails_on_any_error(empty_config, tmp_path):
         await c.stop()
     assert rc == 1
     assert json.loads((tmp_path / "g.json").read_text())["runs"][0]["measured"]["errors"] == 2
+
+
+def test_on_one_machine_the_class_takes_at_least_its_work_over_the_shared_capacity():
+    # two Macs decode 10 s each at once; one machine running one node at full speed needs 2 x 10 s + the prefills
+    calls = [Call(0, "a", 1000, 100, 0), Call(1, "a", 1000, 100, 1)]
+    outs = simulate(_site(decode_nodes=("m0", "m1")), calls)
+    assert summary(outs)["makespan_s"] == pytest.approx(12.05)
+    shared = summary(outs, shared=1.0)
+    assert shared["machine_bound_s"] == pytest.approx(2 * 1.0 + 2 * 10.0) and shared["dominant"] == "machine"
+    assert summary(outs, shared=2.0)["makespan_s"] == pytest.approx(12.05)  # two at once: the event model's
