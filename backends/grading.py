@@ -76,13 +76,14 @@ def notebook(rng: random.Random, tokens: int) -> str:
 
 
 def workload(n: int, models: list[str], scale: float = 1.0, seed: int = 0, concurrency: int | None = None,
-             predict_scale: float | None = None) -> list[Call]:
+             predict_scale: float | None = None, texts: str = "") -> list[Call]:
     """`n` submissions x the app's two calls (the first model analyses with format json, the second gives feedback),
     submission by submission; lanes: `concurrency` split evenly across the models (default one per model);
-    `predict_scale` scales num_predict (default: `scale`, as the prompts)."""
+    `predict_scale` scales num_predict (default: `scale`, as the prompts). `texts`: another class of the same sizes
+    and seeds, other notebooks (a second run must not find the first's prompts in a prefix cache)."""
     if len(models) not in (1, 2):
         raise ValueError(f"a class runs on one or two models (analysis, feedback), got {models}")
-    rng = random.Random(seed)
+    rng, text_rng = random.Random(seed), random.Random(f"{seed}/{texts}")
     per_model = max(1, (concurrency or len(models)) // len(models))
     extra = max(0, (concurrency or len(models)) - per_model * len(models))
     lanes = {}
@@ -96,7 +97,7 @@ def workload(n: int, models: list[str], scale: float = 1.0, seed: int = 0, concu
         for j, role in enumerate(("analysis", "feedback")):
             model = models[j % len(models)]
             target = max(HEADER_TOKENS + 1, int(rng.randint(*PROMPT_TOKENS) * scale))
-            text = notebook(rng, target - HEADER_TOKENS)
+            text = notebook(text_rng, target - HEADER_TOKENS)
             lane_list = lanes[model]
             lane = lane_list[(s if len(models) == 2 else len(calls)) % len(lane_list)]
             calls.append(Call(len(calls), s, role, model, f"{RUBRIC}\n{TASKS[role]}\n\n{text}", target,

@@ -149,10 +149,10 @@ def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode:
 class MacAloneGateway:
     """A second gateway process over the same nodes, its models without prefill nodes: the local path only."""
 
-    def __init__(self, config: Path, port: int) -> None:
+    def __init__(self, config: Path, port: int, log: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         code = "import sys; from backends.grading_cli import serve_mac_alone; serve_mac_alone(sys.argv[1], int(sys.argv[2]))"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"disagg-mac-alone-{port}.log", "wb")
+        self.log = open(log, "wb")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(config), str(port)], stdout=self.log,
                                      stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
 
@@ -229,10 +229,14 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
         f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in measured_rates.items()))
     runs = [_run(replay, calls, site, "split", share)]
     if args.baseline == "mac-alone":
-        gw = MacAloneGateway(args.config, _free_port())
+        gw = MacAloneGateway(args.config, _free_port(), args.json.with_suffix(".mac-alone-gateway.log"))
         try:
             gw.wait()
             alone = grading.Replay(gw.url, key, not args.no_progress, args.timeout)
+            # the same sizes, other notebooks: the split's prompts are in the Macs' prefix caches now
+            calls = grading.workload(args.submissions, models, args.scale, args.seed, args.concurrency,
+                                     args.num_predict_scale, texts="mac-alone")
+            alone.count_tokens(calls)
             local = _calibrate(alone, calibration)
             print("Mac-alone rates measured by one request per model (tokens/s): " + "; ".join(
                 f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in local.items()))

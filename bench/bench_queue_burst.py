@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def narrow_gateway(config: Path, max_queued: int) -> tuple[subprocess.Popen, str
     env = {**os.environ, "DISAGG_GATEWAY__PORT": str(port), "DISAGG_GATEWAY__HOST": "127.0.0.1",
            "DISAGG_GATEWAY__QUEUE__MAX_QUEUED": str(max_queued)}
     proc = subprocess.Popen([sys.executable, "-m", "backends.cli", "gateway", "--config", str(config)], cwd=ROOT,
-                            env=env, stdout=open(Path(os.environ.get("TMPDIR", "/tmp")) / "bench-queue-burst-gateway.log", "wb"),
+                            env=env, stdout=open(Path(tempfile.gettempdir()) / "bench-queue-burst-gateway.log", "wb"),
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
