@@ -125,6 +125,7 @@ class Result:
     path: str = ""
     node: str = ""
     queue_s: float = 0.0
+    prefix_tokens: int = 0  # prompt tokens a prefix cache already held (x-disagg-prefix-tokens)
     prefill_s: float = 0.0
     ttft_s: float = 0.0     # prompt_eval_duration: queue + prefill + KV + the first token
     decode_s: float = 0.0   # eval_duration
@@ -236,6 +237,7 @@ class Replay:
         r.path, r.node = h.get("x-disagg-path", ""), h.get("x-disagg-decode-node", "")
         r.queue_s = float(h.get("x-disagg-queue-ms", 0)) / 1000
         r.prefill_s = float(h.get("x-disagg-prefill-ms", 0)) / 1000
+        r.prefix_tokens = int(h.get("x-disagg-prefix-tokens", 0))
         r.prompt_tokens, r.output_tokens = data.get("prompt_eval_count", 0), data.get("eval_count", 0)
         r.ttft_s = data.get("prompt_eval_duration", 0) / 1e9
         r.decode_s = data.get("eval_duration", 0) / 1e9
@@ -273,6 +275,7 @@ def measured(results: list[Result], makespan: float) -> dict:
                              "out": round(sum(r.output_tokens for r in ok) / max(makespan, 1e-9), 1)},
             "json_valid": f"{sum(bool(r.json_valid) for r in json_calls)}/{len(json_calls)}",
             "cut_by_num_predict": sum(r.done_reason == "length" for r in ok),
+            "prefix_cached_tokens": sum(r.prefix_tokens for r in ok),
             "paths": {p: sum(r.path == p for r in ok) for p in sorted({r.path for r in ok})}}
 
 
