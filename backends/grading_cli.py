@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from kv_bridge.config import Settings
 
 from backends import grading, grading_predict as gp, grading_rates
@@ -98,6 +96,7 @@ def _calibrate(replay: grading.Replay, calls: list[grading.Call]) -> dict[str, d
     tokens / x-disagg-prefill-ms; ingest, or the Mac's own prefill on the local path: prompt tokens / the rest of the
     time to first token) and how much of num_predict an answer uses (`answer_share`: num_predict is only a cap)."""
     out: dict[str, dict[str, float]] = {}
+    httpx = grading.need_httpx()
     with httpx.Client(timeout=replay.timeout) as http:
         for c in calls:
             r = http.post(replay.url + "/api/generate", headers=replay.headers, json={
@@ -157,6 +156,7 @@ class MacAloneGateway:
                                      stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
 
     def wait(self, timeout: float = 120.0) -> None:
+        httpx = grading.need_httpx()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -217,7 +217,7 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
     calls = grading.workload(args.submissions, models, args.scale, args.seed, args.concurrency,
                              args.num_predict_scale)
     replay.count_tokens(calls)
-    health = httpx.get(replay.url + "/health", timeout=10).json()
+    health = grading.need_httpx().get(replay.url + "/health", timeout=10).json()
     calibration = grading.workload(1, models, args.scale, args.seed + 1_000_003, None, args.num_predict_scale)
     measured_rates = _calibrate(replay, calibration)
     share = {m: r["answer_share"] for m, r in measured_rates.items()}

@@ -221,3 +221,14 @@ def test_on_one_machine_the_class_takes_at_least_its_work_over_the_shared_capaci
     shared = summary(outs, shared=1.0)
     assert shared["machine_bound_s"] == pytest.approx(2 * 1.0 + 2 * 10.0) and shared["dominant"] == "machine"
     assert summary(outs, shared=2.0)["makespan_s"] == pytest.approx(12.05)  # two at once: the event model's
+
+
+def test_the_command_line_loads_without_the_replays_client():
+    """`disagg` runs on a Mac or the gateway image without the dev extra: httpx and matplotlib load only in the
+    replay."""
+    import subprocess
+    import sys
+
+    code = "import sys, backends.cli; print(sorted(m for m in ('httpx', 'matplotlib') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
