@@ -27,7 +27,8 @@ def add_parser(sub, common) -> None:
     g.add_argument("--scale", type=float, default=1.0, help="prompt lengths (6k-25k) and num_predict (2000-3500) "
                    "times this (a small site: e.g. 0.05)")
     g.add_argument("--num-predict-scale", type=float, default=None, help="num_predict times this (default: --scale)")
-    g.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: the app's, one per model)")
+    g.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight (default: the app's, one per model)")
     g.add_argument("--models", help="analysis,feedback model ids (default: the config's [[models]] in order)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--url", help="the gateway (default: the config's [gateway] address)")
@@ -136,7 +137,8 @@ def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode:
           f"({ratio:.2f}x); latency p50 {m['latency_s']['p50']:.1f} / p95 {m['latency_s']['p95']:.1f} / max "
           f"{m['latency_s']['max']:.1f} s; tokens/s in {m['tokens_per_s']['in']:.0f}, out "
           f"{m['tokens_per_s']['out']:.1f}; predicted with the answers' lengths known {posterior['makespan_s']:.1f} s "
-          f"({m['makespan_s'] / max(posterior['makespan_s'], 1e-9):.2f}x); JSON valid {m['json_valid']} ({m['cut_by_num_predict']} cut by num_predict); paths {m['paths']}; errors {m['errors']}")
+          f"({m['makespan_s'] / max(posterior['makespan_s'], 1e-9):.2f}x); JSON valid {m['json_valid']} "
+          f"({m['cut_by_num_predict']} cut by num_predict); paths {m['paths']}; errors {m['errors']}")
     for r in results:
         what = r.error or f"{r.path:>13} on {r.node:<8} {r.prompt_tokens:>6} in {r.output_tokens:>5} out"
         print(f"  s{r.submission:02d} {r.role:<8} {r.model:<16} {r.latency:7.1f} s  queued {r.queue_s:5.1f}  {what}")
@@ -150,7 +152,8 @@ class MacAloneGateway:
 
     def __init__(self, config: Path, port: int, log: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        code = "import sys; from backends.grading_cli import serve_mac_alone; serve_mac_alone(sys.argv[1], int(sys.argv[2]))"
+        code = ("import sys; from backends.grading_cli import serve_mac_alone; "
+                "serve_mac_alone(sys.argv[1], int(sys.argv[2]))")
         self.log = open(log, "wb")
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(config), str(port)], stdout=self.log,
                                      stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
@@ -186,6 +189,10 @@ def serve_mac_alone(config: str, port: int) -> None:
     s = load_config(config)
     serve(s.model_copy(update={"gateway": s.gateway.model_copy(update={"host": "127.0.0.1", "port": port}),
                                "models": [m.model_copy(update={"prefill": []}) for m in s.models]}))
+
+
+def _rates_line(rates: dict[str, dict[str, float]]) -> str:
+    return "; ".join(f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in rates.items())
 
 
 def _with(site: gp.Site, shared: float | None) -> gp.Site:
@@ -225,8 +232,8 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
     site = grading_rates.learned_site(settings, base, health, measured_rates, args.batch_cost if args.batch_cost
                                       is not None else (1.0 if one_machine else grading_rates.MAC_BATCH_COST))
     site.shared = args.shared if args.shared is not None else (1.5 if one_machine else None)
-    print("measured by one submission outside the class (tokens/s; the share of num_predict an answer used): " + "; ".join(
-        f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in measured_rates.items()))
+    print("measured by one submission outside the class (tokens/s; the share of num_predict an answer used): "
+          + _rates_line(measured_rates))
     runs = [_run(replay, calls, site, "split", share)]
     if args.baseline == "mac-alone":
         gw = MacAloneGateway(args.config, _free_port(), args.json.with_suffix(".mac-alone-gateway.log"))
@@ -238,16 +245,16 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
                                      args.num_predict_scale, texts="mac-alone")
             alone.count_tokens(calls)
             local = _calibrate(alone, calibration)
-            print("Mac-alone rates measured by one request per model (tokens/s): " + "; ".join(
-                f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in local.items()))
+            print("Mac-alone rates measured by one request per model (tokens/s): " + _rates_line(local))
             merged = {m: {**measured_rates.get(m, {}), **{k: v for k, v in local.get(m, {}).items() if k == "local"}}
                       for m in models}
-            runs.append(_run(alone, calls, _with(grading_rates.learned_site(settings, base, health, merged, site.batch_cost), site.shared),
-                             "mac-alone", share))
+            alone_site = _with(grading_rates.learned_site(settings, base, health, merged, site.batch_cost), site.shared)
+            runs.append(_run(alone, calls, alone_site, "mac-alone", share))
         finally:
             gw.stop()
         ratio = runs[1]["measured"]["makespan_s"] / max(runs[0]["measured"]["makespan_s"], 1e-9)
-        print(f"Mac-alone / split, measured: {ratio:.2f}x (predicted {runs[1]['predicted']['makespan_s'] / max(runs[0]['predicted']['makespan_s'], 1e-9):.2f}x)")
+        predicted = runs[1]["predicted"]["makespan_s"] / max(runs[0]["predicted"]["makespan_s"], 1e-9)
+        print(f"Mac-alone / split, measured: {ratio:.2f}x (predicted {predicted:.2f}x)")
     result = {"submissions": args.submissions, "scale": args.scale, "concurrency": args.concurrency or len(models),
               "models": models, "calibrated_rates": measured_rates, "runs": runs}
     args.json.write_text(json.dumps(result, indent=1))

@@ -16,7 +16,8 @@ def timeline(runs: list[tuple[str, list[dict], dict | None]], path: str) -> str:
     import matplotlib.pyplot as plt
 
     rows = max(len(r) for _, r, _ in runs)
-    fig, axes = plt.subplots(1, len(runs), figsize=(max(9, 7 * len(runs)), 1.6 + 0.22 * rows), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(max(9, 7 * len(runs)), 1.6 + 0.22 * rows), sharex=True,
+                             squeeze=False)
     end = max([row["end"] for _, r, _ in runs for row in r] + [p["makespan_s"] for _, _, p in runs if p] or [1.0])
     for ax, (title, results, predicted) in zip(axes[0], runs):
         for y, row in enumerate(results):

@@ -92,8 +92,8 @@ def prefill_seconds(points: tuple[tuple[int, float], ...], tokens: int, step: in
 
 
 class _Mac:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, batch_cost: float) -> None:
+        self.name, self.batch_cost = name, batch_cost
         self.gens: list[list] = []  # [outcome, model, tokens left, decode rate]
         self.held = 0.0             # KV bytes reserved
         self.local_until = 0.0      # the end of the local prefill running (decode paused until then)
@@ -104,16 +104,13 @@ class _Mac:
         by_model: dict[str, list[float]] = {}
         for g in self.gens:
             by_model.setdefault(g[1], []).append(g[3])
-        return sum(len(r) / sum(r) * (1 + self._cost * (len(r) - 1)) for r in by_model.values())
-
-    _cost = 0.1
+        return sum(len(r) / sum(r) * (1 + self.batch_cost * (len(r) - 1)) for r in by_model.values())
 
 
 def simulate(site: Site, calls: list[Call], mode: str = "split") -> list[Outcome]:
-    """Each call's outcome when lanes send their calls in order; `mode` "mac-alone": every prompt prefilled on its Mac."""
-    macs = {n: _Mac(n) for r in site.routes.values() for n in r.decode}
-    for m in macs.values():
-        m._cost = site.batch_cost
+    """Each call's outcome when lanes send their calls in order; `mode` "mac-alone": every prompt prefilled on its
+    Mac."""
+    macs = {n: _Mac(n, site.batch_cost) for r in site.routes.values() for n in r.decode}
     prefill_free: dict[str, float] = {}
     lanes: dict[int, list[Call]] = {}
     for c in calls:

@@ -91,7 +91,7 @@ def learned_site(settings: Settings, base: Path, health: dict, measured: dict[st
         wire, held = _kv_bytes(geo.get(r.id), settings.kv.wire_dtype)
         wire = float((snap.get("kv_bytes_per_token") or {}).get(r.id) or wire)
         now = measured.get(r.id, {})
-        rates[r.id] = ModelRates(((0, now.get("prefill", pre)),), ((0, now.get("local", local)),), ((0, now.get("decode", 10.0)),), wire,
-                                 held, now.get("ingest", ingest))
+        rates[r.id] = ModelRates(((0, now.get("prefill", pre)),), ((0, now.get("local", local)),),
+                                 ((0, now.get("decode", 10.0)),), wire, held, now.get("ingest", ingest))
     return Site(routes(settings), rates, link, settings.kv.max_inflight_bytes, settings.decode.max_batch_size,
                 batch_cost)

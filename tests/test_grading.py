@@ -30,7 +30,8 @@ def test_workload_is_the_apps_two_calls_per_submission_seeded_and_scaled():
     other = grading.workload(5, ["coder", "oss"], scale=0.1, seed=7, texts="mac-alone")  # the baseline's class
     assert [(c.target_tokens, c.num_predict, c.seed) for c in other] == [
         (c.target_tokens, c.num_predict, c.seed) for c in calls]
-    assert all(a.prompt[len(grading.RUBRIC) + 300:] != b.prompt[len(grading.RUBRIC) + 300:] for a, b in zip(calls, other))
+    skip = len(grading.RUBRIC) + 300
+    assert all(a.prompt[skip:] != b.prompt[skip:] for a, b in zip(calls, other))
     wide = grading.workload(8, ["coder", "oss"], concurrency=8)
     assert {c.lane for c in wide if c.model == "coder"} == {0, 1, 2, 3}
     assert {c.lane for c in wide if c.model == "oss"} == {4, 5, 6, 7}
