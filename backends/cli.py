@@ -81,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--node", required=True, help=f"name of a [[nodes]] entry with role = {role!r}")
         r.set_defaults(func=func)
 
+    bench = sub.add_parser("bench", help="benchmarks against a running site").add_subparsers(dest="action",
+                                                                                           required=True)
+    from backends.grading_cli import add_parser as add_grading
+
+    add_grading(bench, common)
+
     gw = sub.add_parser("gateway", parents=[common], help="run the OpenAI-compatible gateway")
     gw.set_defaults(func=_cmd_gateway)
     sub.add_parser("up", parents=[common], help="start every role of the config on this machine; "

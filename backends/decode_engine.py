@@ -142,7 +142,8 @@ class MLXModel:
             except queue.Empty:
                 return
             if isinstance(job, Task):
-                job.future.set_exception(RuntimeError(self.failure))
+                if not job.future.cancelled():
+                    job.future.set_exception(RuntimeError(self.failure))
             elif job is not None:
                 job.emit(("error", self.failure))
                 job.emit(None)
@@ -202,23 +203,29 @@ class MLXModel:
             if batch is not None:
                 batch.abandon(self.failure)
             for task in self._tasks:
-                task.future.set_exception(RuntimeError(self.failure))
+                if not task.future.cancelled():
+                    task.future.set_exception(RuntimeError(self.failure))
             self._fail_queued()  # no request waits forever: /health now answers 503, the gateway fails over
 
     def _advance_tasks(self) -> None:
         """One step of each task; a finished or failed one settles its future and leaves."""
         for task in list(self._tasks):
+            if task.future.cancelled():  # its caller went: stop the work
+                self._tasks.remove(task)
+                continue
             try:
                 if task.steps is None:
                     task.steps = task.work()
                 next(task.steps)
             except StopIteration as done:
                 self._tasks.remove(task)
-                task.future.set_result(done.value)
+                if not task.future.cancelled():  # its caller went (a gateway stopped mid-canary): nobody to tell
+                    task.future.set_result(done.value)
             except Exception as e:  # the task's own failure, never the loop's
                 log.exception("MLX task failed")
                 self._tasks.remove(task)
-                task.future.set_exception(e)
+                if not task.future.cancelled():
+                    task.future.set_exception(e)
 
     def _arrivals(self, block: bool) -> list[Job | Task | None]:
         jobs = [self._inbox.get()] if block else []

@@ -85,7 +85,7 @@ async def complete(request: web.Request, choices: Choices, framing: Framing, rec
             raise ClientDisconnected("client closed the connection")
     await choices.close()  # settles the prefill calls, whose wall time goes into the headers
     _record(rec, choices)
-    return web.json_response(framing.body(_dones(choices)), headers=choices.first.headers())
+    return web.json_response(framing.body(_dones(choices)), headers=choices.headers())
 
 
 class EarlyStream:

@@ -297,6 +297,15 @@ class Choices:
     def first(self) -> GenerationStream:
         return self.gens[0]
 
+    def headers(self) -> dict[str, str]:
+        """The first choice's node headers, and how long the request waited in the gateway's queue; the predicted time
+        to first token counts that wait too, as Ollama's prompt_eval_duration does (both from the request's start)."""
+        waited_ms = (self.waiting.waited_s if self.waiting is not None else 0.0) * 1000.0
+        out = {**self.first.headers(), "x-disagg-queue-ms": f"{waited_ms:.1f}"}
+        if "x-disagg-predicted-ttft-ms" in out:
+            out["x-disagg-predicted-ttft-ms"] = f"{float(out['x-disagg-predicted-ttft-ms']) + waited_ms:.1f}"
+        return out
+
     @property
     def dones(self) -> list[DoneLine | None]:
         return [g.done for g in self.gens]

@@ -27,6 +27,7 @@ class Waiting:
 
     gone: Callable[[], bool] = lambda: False
     queued: Callable[[], Awaitable[None]] | None = None
+    waited_s: float = 0.0  # set by the queue: seconds from arrival to the start attempt (x-disagg-queue-ms)
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class RequestQueue:
         waiting = waiting or Waiting()
         if not self._queues.get(model):
             try:
+                waiting.waited_s = 0.0
                 return await start()
             except RateLimited as e:
                 busy = self._met(model, Busy(self.retry_after_s), e)
@@ -82,6 +84,7 @@ class RequestQueue:
             while True:
                 await self._turn(waiter, waiting.gone, busy)
                 try:
+                    waiting.waited_s = time.monotonic() - waiter.since
                     return await start()
                 except RateLimited as e:
                     self._met(model, busy, e)
