@@ -113,3 +113,39 @@ def load_draft(path: str, target_tokenizer, vocab_size: int):
     if width != vocab_size:
         raise ValueError(f"draft model {path} has {width} logits, its target {vocab_size}")
     return model
+
+
+def truncated_draft(src: str, dst: str, keep: list[int]) -> str:
+    """A draft model built from its target by keeping only the decoder layers `keep` (indices into the target's
+    layers, in order): same tokenizer, embeddings and final norm, no training. Honest about what it is: a
+    layer-skipping self-draft (as in Draft & Verify, Zhang et al. 2023), far weaker than a trained small sibling.
+    Writes an MLX-loadable folder at `dst` and returns it."""
+    import json
+    import re
+    import shutil
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    s, d = Path(src), Path(dst)
+    d.mkdir(parents=True, exist_ok=True)
+    for f in s.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
+            shutil.copy(f, d / f.name)
+    cfg = json.loads((s / "config.json").read_text())
+    cfg["num_hidden_layers"] = len(keep)
+    cfg["_draft_of"] = {"path": str(s), "layers": list(keep)}
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    weights = {}
+    for f in sorted(s.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    new = {i: j for j, i in enumerate(keep)}
+    out = {}
+    for name, w in weights.items():
+        m = re.match(r"(.*\.layers\.)(\d+)(\..*)", name)
+        if m is None:
+            out[name] = w
+        elif int(m.group(2)) in new:
+            out[f"{m.group(1)}{new[int(m.group(2))]}{m.group(3)}"] = w
+    mx.save_safetensors(str(d / "model.safetensors"), out, metadata={"format": "mlx"})
+    return str(d)

@@ -84,9 +84,10 @@ class SpecRun:
         inputs = [self.seq[-1], *drafts]
         logits = self.m.model(mx.array([inputs]), cache=self.cache)[0]  # (1 + len(drafts), vocab)
         self.fed += len(inputs)
-        kept, reason = 0, None
-        for i in range(len(inputs)):
-            row = logits[i:i + 1]
+        reason = None
+
+        def pick(row):
+            nonlocal reason
             if self.processors:
                 context = mx.array(self.seq[-CONTEXT:])
                 for p in self.processors:
@@ -97,9 +98,9 @@ class SpecRun:
             self.n += 1
             reason = "stop" if token in self.eos else "length" if self.n >= gen.max_tokens else None
             self.job.emit(("token", token_line(token, self.run.text(token, reason), logprobs[0], gen), reason))
-            if reason is not None or i == len(drafts) or token != drafts[i]:
-                break
-            kept += 1
+            return token, reason is not None
+
+        kept = accept_drafts(logits, drafts, pick)
         # The cache ran every input; it keeps y and the drafted tokens that were emitted as drafted.
         extra = self.fed - (len(self.seq) - 1)
         if extra > 0:
@@ -131,3 +132,16 @@ class SpecRun:
         return dict(tokens=self.seq[self.fed:], cache=self.cache, all_tokens=self.seq[:self.fed],
                     max_tokens=self.job.gen.max_tokens - self.n, sampler=self.sampler, processors=self.processors,
                     running=self.run)
+
+
+def accept_drafts(logits, drafts: list[int], pick) -> int:
+    """The accept rule over a verify forward's rows (row i: the distribution of the i-th token of this step).
+    `pick(row) -> (token, finished)` samples row i as plain decoding would (processors, sampler) and emits it. A
+    drafted token is kept when the sampled token equals it (probability p(d): the standard rule for a deterministic
+    draft); the first that differs is emitted in its place (p with d removed, renormalised) and ends the step, and
+    when every draft is kept the last row adds one token more. Returns how many drafted tokens were kept."""
+    for i in range(len(drafts) + 1):
+        token, finished = pick(logits[i:i + 1])
+        if finished or i == len(drafts) or token != drafts[i]:
+            return i
+    return len(drafts)
