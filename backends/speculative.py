@@ -79,7 +79,7 @@ class SpecRun:
         from mlx_lm.models.cache import trim_prompt_cache
 
         gen = self.job.gen
-        k = min(self.ctl.draft_len(), gen.max_tokens - self.n - 1)
+        k = min(self.ctl.draft_len(), gen.max_tokens - self.n - 1, _room(self.cache))
         drafts = self.drafter.draft(k) if k > 0 else []
         inputs = [self.seq[-1], *drafts]
         logits = self.m.model(mx.array([inputs]), cache=self.cache)[0]  # (1 + len(drafts), vocab)
@@ -104,7 +104,8 @@ class SpecRun:
         # The cache ran every input; it keeps y and the drafted tokens that were emitted as drafted.
         extra = self.fed - (len(self.seq) - 1)
         if extra > 0:
-            trim_prompt_cache(self.cache, extra)
+            if trim_prompt_cache(self.cache, extra) != extra:  # never decode on with refused tokens in the cache
+                raise RuntimeError("the cache could not drop the refused drafted tokens")
             self.fed -= extra
         self.drafter.accepted(kept)
         self.ctl.record(len(drafts), kept)
@@ -132,6 +133,13 @@ class SpecRun:
         return dict(tokens=self.seq[self.fed:], cache=self.cache, all_tokens=self.seq[:self.fed],
                     max_tokens=self.job.gen.max_tokens - self.n, sampler=self.sampler, processors=self.processors,
                     running=self.run)
+
+
+def _room(cache) -> int:
+    """Most tokens a step may draft and still trim: a sliding-window layer (RotatingKVCache, gpt-oss) can trim only
+    while it holds fewer tokens than its window, so past the window every step is plain."""
+    sizes = [c.max_size - c.offset - 2 for c in cache if getattr(c, "max_size", None)]
+    return max(0, min(sizes)) if sizes else 1 << 30
 
 
 def accept_drafts(logits, drafts: list[int], pick) -> int:
