@@ -86,7 +86,7 @@ def run(m: MLXModel, ids, kv, sampling: dict, max_tokens: int) -> dict:
     record = m.speculation.record
 
     def traced(drafted, accepted):
-        ks.append(drafted)
+        ks.append((drafted, accepted))
         record(drafted, accepted)
     m.speculation.record = traced
     gen = Sampling.from_json({"max_tokens": max_tokens, **sampling})
@@ -106,8 +106,9 @@ def use(m: MLXModel, **cfg) -> None:
 
 
 def section(m, prompts, kvs, label, max_tokens, num_draft, draft_ok):
-    """Plain, prompt lookup and draft model, greedy and sampled, over `prompts`; one row per (method, mode)."""
-    rows = []
+    """Plain, prompt lookup and draft model, greedy and sampled, over `prompts`: one row per (method, mode), and
+    prompt lookup's (drafted, accepted) per step, which the site prediction replays."""
+    rows, trace = [], []
     for mode, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
         use(m, method="off")
         plain = [run(m, ids, kv, sampling, max_tokens) for ids, kv in zip(prompts, kvs)]
@@ -121,6 +122,7 @@ def section(m, prompts, kvs, label, max_tokens, num_draft, draft_ok):
         for name, cfg in methods:
             use(m, **cfg)
             rs = [run(m, ids, kv, sampling, max_tokens) for ids, kv in zip(prompts, kvs)]
+            trace += [st for r in rs for st in r["ks"]] if name == "prompt_lookup" else []
             same = sum(r["tokens"] == p["tokens"] for r, p in zip(rs, plain))
             tok = sum(len(r["tokens"]) for r in rs)
             sec = sum(r["seconds"] for r in rs)
@@ -129,19 +131,20 @@ def section(m, prompts, kvs, label, max_tokens, num_draft, draft_ok):
             steps = verify + sum(r["plain_steps"] for r in rs)
             rows.append((label, mode, name, drafted, accepted, verify, tok / max(steps, 1), f"{same}/{len(rs)}",
                          1000 * sec / tok, (sec / tok) / (p_s / p_tok)))
-    return rows
+    return rows, trace
 
 
-def controller(m, prompts, kvs, label, max_tokens, num_draft, verify_cost):
-    """Prompt lookup with the adaptive controller at a given verify cost: tokens drafted per step ('.': none, the
-    controller is off or the n-gram lookup found no match)."""
-    use(m, method="prompt_lookup", num_draft=num_draft, verify_cost=verify_cost, probe_every=8)
+def controller(m, prompts, kvs, label, max_tokens, num_draft, method, verify_cost, draft_cost=0.0):
+    """The adaptive controller at a given cost: tokens drafted per step ('.': none, the controller is off or the
+    n-gram lookup found no match)."""
+    use(m, method=method, draft_path="built", num_draft=num_draft, verify_cost=verify_cost, draft_cost=draft_cost,
+        probe_every=8)
     ks = []
     for ids, kv in zip(prompts, kvs):
-        ks += run(m, ids, kv, GREEDY, max_tokens)["ks"]
+        ks += [d for d, _ in run(m, ids, kv, GREEDY, max_tokens)["ks"]]
     c = m.speculation
-    print(f"  {label:9s} verify_cost {verify_cost:4.2f}: drafted per step {''.join(str(k) if k else '.' for k in ks)}; "
-          f"acceptance EWMA {c.rate:.2f}, draft length now {c.k}")
+    print(f"  {label:9s} {method:13s} cost {verify_cost:.2f}+{draft_cost:.2f}: drafted per step "
+          f"{''.join(str(k) if k else '.' for k in ks)}; acceptance EWMA {c.rate:.2f}, draft length now {c.k}")
 
 
 # Site prediction (docs/speculative.md). Verify cost on Metal: llama.cpp PR #10581 (ggml-org/llama.cpp, "metal:
@@ -174,22 +177,32 @@ def moe_cost(s: dict, n: int) -> float:
     return (dense * dense_cost(n) + active * distinct) / (dense + active)
 
 
-def predict(rate: float, num_draft: int) -> None:
-    print(f"\nSite prediction (Mac Studio, memory-bound decode), acceptance per drafted token {rate:.2f} "
-          "(measured above, prompt lookup, grading-like):")
-    for name, s in SITE.items():
-        best = max(range(1, num_draft + 1), key=lambda k: speedup(rate, k, (moe_cost(s, k + 1) - 1) / k))
-        cost = moe_cost(s, best + 1)
-        gain = speedup(rate, best, (cost - 1) / best)
-        cfg = SpeculativeConfig(method="prompt_lookup", num_draft=num_draft, verify_cost=(cost - 1) / best)
-        on = best_draft(rate, cfg) > 0
+def replay(steps: list[tuple[int, int]], k: int, cost) -> float:
+    """Decode speedup over plain steps if each measured step had drafted at most k: a step that kept a drafted
+    tokens keeps min(a, k) (acceptance is prefix by prefix) and costs cost(k + 1); a step that drafted nothing
+    costs one plain step. Tokens per unit of time, over plain decoding's one per step."""
+    tokens = sum(1 + min(a, k) if d else 1 for d, a in steps)
+    time_ = sum(cost(min(d, k) + 1) if d else 1.0 for d, a in steps)
+    return tokens / time_
+
+
+def predict(steps: list[tuple[int, int]], num_draft: int) -> None:
+    drafted = [st for st in steps if st[0]]
+    print(f"\nSite prediction (Mac Studio, memory-bound decode): the grading-like prompt-lookup steps above replayed "
+          f"({len(steps)} steps, {len(drafted)} drafted, {sum(a for _, a in steps)} tokens kept) with each model's cost "
+          "of verifying k+1 tokens:")
+    models = {"dense 7B (llama.cpp figures, for scale)": dense_cost,
+              **{name: (lambda n, s=s: moe_cost(s, n)) for name, s in SITE.items()}}
+    for name, cost in models.items():
+        gains = {k: replay(steps, k, cost) for k in range(1, num_draft + 1)}
+        k = max(gains, key=gains.get)
         # A 25k-token grading prompt: ~20 s prefill on a Spark, 3,000 tokens at 60 tokens/s (docs/deploy.md).
-        before, after = 20 + 3000 / 60, 20 + 3000 / 60 / gain
-        print(f"  {name}: best k={best}, verify of {best + 1} tokens = {cost:.2f} plain steps "
-              f"(dense alone {dense_cost(best + 1):.2f}); decode speedup {gain:.2f}x; grading request "
-              f"{before:.0f} s -> {after:.0f} s; {'on' if on else 'leave it off'}")
-    print("  gpt-oss:120b also has sliding-window layers (RotatingKVCache) that mlx-lm cannot trim past the window "
-          "(128 tokens): the node falls back to plain decoding for it whatever the config says.")
+        before, after = 20 + 3000 / 60, 20 + 3000 / 60 / gains[k]
+        print(f"  {name}: verify of 2/3/5 tokens = {cost(2):.2f}/{cost(3):.2f}/{cost(5):.2f} plain steps; best k={k}: "
+              f"decode {gains[k]:.2f}x; a grading request {before:.0f} s -> {after:.0f} s; "
+              f"{'pays' if gains[k] > 1.05 else 'does not pay: leave it off'}")
+    print("  gpt-oss:120b: its sliding-window layers (RotatingKVCache, 128 tokens) can be trimmed only while the window "
+          "has room, so past 128 tokens the node drafts nothing for it anyway.")
 
 
 def main() -> None:
@@ -213,8 +226,8 @@ def main() -> None:
             keep = [i for i in range(30) if i not in DRAFT_SKIP]
             m.draft_model = load_draft(truncated_draft(str(MODEL_DIR), tmp + "/draft", keep), m.tokenizer,
                                        m.vocab_size)
-        rows = section(m, g_ids, g_kv, "grading", a.max_tokens, a.num_draft, not a.quick)
-        rows += section(m, u_ids, u_kv, "unrelated", a.max_tokens, a.num_draft, not a.quick)
+        rows, steps = section(m, g_ids, g_kv, "grading", a.max_tokens, a.num_draft, not a.quick)
+        rows += section(m, u_ids, u_kv, "unrelated", a.max_tokens, a.num_draft, not a.quick)[0]
     print(f"\n{'prompts':9s} {'mode':7s} {'method':13s} {'drafted':>7s} {'accepted':>8s} {'verify':>6s} "
           f"{'acc/verify':>10s} {'tok/step':>8s} {'same':>5s} {'ms/token':>8s} {'vs plain':>8s}")
     for label, mode, name, dr, ac, ve, per_step, same, ms, ratio in rows:
@@ -224,14 +237,15 @@ def main() -> None:
     print("(acc/verify: drafted tokens kept per verify step; tok/step: tokens per target forward, plain steps "
           "included; same: outputs equal to plain decoding; ms/token and vs plain: this machine, compute-bound)")
     plain_ms = next(r[8] for r in rows if r[2] == "plain")
-    print(f"\nController (adaptive prompt lookup, greedy). Verify cost 0.15: a Mac, dense model (llama.cpp figures "
-          f"below); 1.00: this machine (plain {plain_ms:.0f} ms/token, verify ~linear in tokens):")
+    print(f"\nController (adaptive, greedy). Verify cost 0.15 a drafted token: a Mac, dense model (llama.cpp figures "
+          f"below); 1.00: this machine (plain {plain_ms:.0f} ms/token, verify ~linear in tokens); the draft model "
+          "adds its own cost, 26/30 of a target step here:")
     for cost in (0.15, 1.0):
-        controller(m, g_ids, g_kv, "grading", a.max_tokens, a.num_draft, cost)
-        controller(m, u_ids, u_kv, "unrelated", a.max_tokens, a.num_draft, cost)
-    pl = [r for r in rows if r[0] == "grading" and r[2] == "prompt_lookup"]
-    rate = sum(r[4] for r in pl) / max(sum(r[3] for r in pl), 1)
-    predict(rate, a.num_draft)
+        controller(m, g_ids, g_kv, "grading", a.max_tokens, a.num_draft, "prompt_lookup", cost)
+        controller(m, u_ids, u_kv, "unrelated", a.max_tokens, a.num_draft, "prompt_lookup", cost)
+    if not a.quick:
+        controller(m, u_ids, u_kv, "unrelated", a.max_tokens, 3, "draft", 0.15, 26 / 30)
+    predict(steps, a.num_draft)
     m.stop()
 
 
