@@ -51,11 +51,16 @@ def metric(s: Stack, name: str, **labels) -> float:
      "max_tokens": 24, "response_format": {"type": "json_object"}},
 ], ids=["quoting", "json_mode"])
 def test_split_with_speculation_equals_plain_decoding(stack, spec_stack, body):
-    before = metric(spec_stack, "disagg_decode_spec_steps_total", model=MODEL_ID, kind="verify")
+    runs = metric(spec_stack, "disagg_decode_spec_generations_total", model=MODEL_ID, path="speculative")
     got, headers = chat(spec_stack.url("gateway"), body)
     want, _ = chat(stack.url("gateway"), body)
     assert headers["x-disagg-path"] == "disaggregated" and int(headers["x-disagg-kv-tokens"]) > 0
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
-    assert metric(spec_stack, "disagg_decode_spec_steps_total", model=MODEL_ID, kind="verify") > before
-    assert metric(spec_stack, "disagg_decode_spec_generations_total", model=MODEL_ID, path="speculative") >= 1
+    assert metric(spec_stack, "disagg_decode_spec_generations_total", model=MODEL_ID, path="speculative") == runs + 1
+
+
+def test_quoting_answers_are_drafted_and_kept(spec_stack):
+    """The requests above ran verify steps, and the target kept drafted tokens (the quoted code)."""
+    assert metric(spec_stack, "disagg_decode_spec_steps_total", model=MODEL_ID, kind="verify") > 0
+    assert metric(spec_stack, "disagg_decode_spec_accepted_tokens_total", model=MODEL_ID) > 0
