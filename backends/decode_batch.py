@@ -56,15 +56,31 @@ class Batch:
         try:
             cache = job.make_cache() if job.make_cache else None
             sampler, processors = make_sampling(job.gen, [], self.m.vocab_size, job.grammar)
-            (uid,) = self.gen.insert([job.tokens], max_tokens=[job.gen.max_tokens], caches=[cache],
-                                     all_tokens=[list(job.history)], samplers=[sampler],
-                                     logits_processors=[processors])
+            self._insert(job.tokens, cache, list(job.history), job.gen.max_tokens, sampler, processors,
+                         _Running(job, self.m.tokenizer.detokenizer, LeadingSpace(self.m.tokenizer)))
         except Exception as e:
-            log.exception("could not start generation")
-            job.emit(("error", f"{type(e).__name__}: {e}"))
-            job.emit(None)
+            self._refuse(job, e)
+
+    def adopt(self, spec) -> None:
+        """Carry on a generation the speculative path started (backends/speculative.py SpecRun) where it stands."""
+        if spec.cache is None:  # it never started: a plain job
+            self.add(spec.job)
             return
-        self.jobs[uid] = _Running(job, self.m.tokenizer.detokenizer, LeadingSpace(self.m.tokenizer))
+        try:
+            self._insert(**spec.handoff())
+        except Exception as e:
+            self._refuse(spec.job, e)
+
+    def _insert(self, tokens, cache, all_tokens, max_tokens, sampler, processors, running) -> None:
+        (uid,) = self.gen.insert([tokens], max_tokens=[max_tokens], caches=[cache], all_tokens=[all_tokens],
+                                 samplers=[sampler], logits_processors=[processors])
+        self.jobs[uid] = running
+
+    @staticmethod
+    def _refuse(job: "Job", e: Exception) -> None:
+        log.exception("could not start generation")
+        job.emit(("error", f"{type(e).__name__}: {e}"))
+        job.emit(None)
 
     def step(self) -> None:
         self._drop([uid for uid, r in self.jobs.items() if r.job.cancel.is_set()])

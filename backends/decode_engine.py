@@ -58,14 +58,17 @@ class MLXModel:
     """The model, its tokenizer and the one thread that may touch them."""
 
     def __init__(self, model_id: str, path: str, kv_bits: int | None = None, kv_group_size: int = 64,
-                 max_batch_size: int = 32, prefix_cache_bytes: int = 0):
+                 max_batch_size: int = 32, prefix_cache_bytes: int = 0, speculative=None):
         from backends.prefix_cache import PrefixStore
+        from backends.spec_control import SpecController
+        from kv_bridge.config_spec import SpeculativeConfig
 
         self.model_id, self.path = model_id, path
         self.kv_bits, self.kv_group_size, self.max_batch_size = kv_bits, kv_group_size, max_batch_size
         self.prefixes = PrefixStore(prefix_cache_bytes)  # finished generations' caches, for the next turn
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
-        self.model = self.tokenizer = self.grammars = None
+        self.model = self.tokenizer = self.grammars = self.draft_model = None
+        self.speculation = SpecController(speculative or SpeculativeConfig())  # speculative decoding (docs/speculative.md)
         self.spec = kv_spec(path)
         self.dtype = self.kv_dtype = None  # after load: the KV dtype (mx.Dtype) and its name (kv_bridge.dtypes)
         self._inbox: queue.SimpleQueue[Job | Task | None] = queue.SimpleQueue()
@@ -89,6 +92,10 @@ class MLXModel:
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
         self.grammars = _grammar_compiler(self.tokenizer, self.vocab_size)
+        if self.speculation.cfg.method == "draft":
+            from backends.drafters import load_draft
+
+            self.draft_model = load_draft(self.speculation.cfg.draft_path, self.tokenizer, self.vocab_size)
         if self.kv_bits is not None:  # refuse at start-up what quantization cannot do for this model
             from mlx_lm.models.cache import make_prompt_cache
 
@@ -182,9 +189,12 @@ class MLXModel:
     def _run(self) -> None:
         """The MLX thread's loop: admit what arrived, step the batch, deliver, drop what finished or was cancelled."""
         batch = Batch(self) if self.kv_bits is None else None
+        spec = None  # the one generation on the speculative path (backends/speculative.py), while it is alone
         try:
             while True:
-                for job in self._arrivals(block=(batch is None or not batch.jobs) and not self._tasks):
+                arrivals = self._arrivals(block=(batch is None or not batch.jobs) and spec is None and not self._tasks)
+                jobs = sum(isinstance(j, Job) for j in arrivals)
+                for job in arrivals:
                     if job is None:
                         return
                     if isinstance(job, Task):
@@ -192,20 +202,55 @@ class MLXModel:
                     elif batch is None:
                         self._run_alone(job)
                     else:
-                        batch.add(job)
+                        spec = self._admit(batch, spec, job, alone=jobs == 1)
+                if spec is not None and not spec.step():
+                    spec = None
                 if batch is not None:
                     batch.step()
-                    self.batch_size, self.cache_bytes = len(batch.jobs), batch.nbytes()
+                    self.batch_size = len(batch.jobs) + (spec is not None)
+                    self.cache_bytes = batch.nbytes() + (spec.nbytes if spec is not None else 0)
                 self._advance_tasks()
         except Exception as e:  # the loop itself broke (not one request): nothing can be served any more
             log.exception("MLX loop for %s died", self.model_id)
             self.failure = f"the MLX loop for {self.model_id} died: {type(e).__name__}: {e}"
+            if spec is not None:
+                spec.fail(self.failure)
             if batch is not None:
                 batch.abandon(self.failure)
             for task in self._tasks:
                 if not task.future.cancelled():
                     task.future.set_exception(RuntimeError(self.failure))
             self._fail_queued()  # no request waits forever: /health now answers 503, the gateway fails over
+
+    def _admit(self, batch: Batch, spec, job: Job, alone: bool):
+        """A new job: on the speculative path when speculation is on and it would be the batch's only generation;
+        otherwise into the batch, and a speculative one running joins it there (the batch decodes both)."""
+        from backends.speculative import SpecRun
+
+        stats = self.speculation.stats
+        if spec is not None:
+            batch.adopt(spec)
+            stats.ran("joined_batch")
+            spec = None
+        if not self.speculation.enabled:
+            batch.add(job)
+            return None
+        if alone and not batch.jobs and not job.cancel.is_set():
+            try:
+                run = SpecRun(self, job)
+                started = run.start()
+            except Exception as e:  # the request's own failure (its KV, its sampling): an error line
+                Batch._refuse(job, e)
+                return None
+            if started:
+                stats.ran("speculative")
+                return run
+            batch.adopt(run)
+            stats.ran("untrimmable_cache")
+            return None
+        batch.add(job)
+        stats.ran("batch")
+        return None
 
     def _advance_tasks(self) -> None:
         """One step of each task; a finished or failed one settles its future and leaves."""

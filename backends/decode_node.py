@@ -34,7 +34,7 @@ class DecodeService:
         self.settings, self.node = settings, node
         d = settings.decode
         self.models = {m.id: MLXModel(m.id, str(resolve_model_path(m)), d.kv_bits, d.kv_group_size, d.max_batch_size,
-                                      d.prefix_cache_bytes)
+                                      d.prefix_cache_bytes, _speculative(m))
                        for m in settings.models if node.name in m.decode}
         if not self.models:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
@@ -202,6 +202,14 @@ class DecodeService:
             await _line(resp, error_line(error))
             return
         await _line(resp, replace(done, finish_reason=finish, completion_tokens=n, ttft_s=ttft or 0.0).to_json())
+
+
+def _speculative(route):
+    """The model's [models.speculative] with draft_path resolved like the model's own path (relative to config.toml)."""
+    cfg = route.speculative
+    if cfg.draft_path is None:
+        return cfg
+    return cfg.model_copy(update={"draft_path": str(resolve_model_path(route.model_copy(update={"path": cfg.draft_path})))})
 
 
 async def _line(resp: web.StreamResponse, obj: dict) -> None:

@@ -10,7 +10,7 @@ from typing import Mapping, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _Prefixes(Protocol):
@@ -18,6 +18,7 @@ class _Prefixes(Protocol):
 
 
 class _ModelState(Protocol):
+    speculation: object  # backends.spec_control.SpecController
     batch_size: int
     cache_bytes: int
     prefixes: _Prefixes
@@ -113,9 +114,42 @@ class _Gauges:
         yield batch
         yield waiting
         yield kv
+        yield from _spec_metrics(svc.models)
         yield GaugeMetricFamily("disagg_decode_requests_running", "Requests in /v1/generate (waiting for KV, queued "
                                 "or generating)", value=svc.running)
         yield GaugeMetricFamily("disagg_decode_kv_transfers", "KV transfers registered and not yet settled",
                                 value=len(svc.receiver.transfers))
         yield GaugeMetricFamily("disagg_decode_kv_inflight_bytes", "In-flight KV reserved (as float32) against "
                                 "kv.max_inflight_bytes", value=svc.receiver.inflight_bytes)
+
+
+def _spec_metrics(models: Mapping[str, _ModelState]):
+    """Speculative decoding per model (docs/speculative.md): what was drafted and kept, and the controller's state."""
+    def family(kind, name, doc, labels=("model",)):
+        return kind(name, doc, labels=list(labels))
+
+    drafted = family(CounterMetricFamily, "disagg_decode_spec_drafted_tokens", "Tokens drafted for verification")
+    accepted = family(CounterMetricFamily, "disagg_decode_spec_accepted_tokens", "Drafted tokens the target kept")
+    steps = family(CounterMetricFamily, "disagg_decode_spec_steps", "Decode steps of the speculative path: verify "
+                   "(drafted tokens checked in one forward) or plain (nothing drafted)", ("model", "kind"))
+    runs = family(CounterMetricFamily, "disagg_decode_spec_generations", "Generations by how they decoded: "
+                  "speculative, batch (others in the batch), joined_batch (left the speculative path when another "
+                  "arrived), untrimmable_cache", ("model", "path"))
+    k = family(GaugeMetricFamily, "disagg_decode_spec_num_draft", "Draft length the controller uses now (0: off, "
+               "probing every probe_every plain steps)")
+    rate = family(GaugeMetricFamily, "disagg_decode_spec_acceptance", "Acceptance per drafted token (EWMA over "
+                  "verify steps)")
+    for mid, m in models.items():
+        ctl = m.speculation
+        if not ctl.enabled:
+            continue
+        s = ctl.stats
+        drafted.add_metric([mid], s.drafted)
+        accepted.add_metric([mid], s.accepted)
+        steps.add_metric([mid, "verify"], s.verify_steps)
+        steps.add_metric([mid, "plain"], s.plain_steps)
+        for path, n in list(s.requests.items()):
+            runs.add_metric([mid, path], n)
+        k.add_metric([mid], ctl.k)
+        rate.add_metric([mid], ctl.rate)
+    yield from (drafted, accepted, steps, runs, k, rate)

@@ -25,6 +25,7 @@ from pydantic_settings import (
 from kv_bridge.config_gateway import (  # noqa: F401  (re-exported)
     AdmissionConfig, GatewayConfig, QueueConfig, RatesConfig)
 from kv_bridge.config_machines import MachineFields, ModelSizes
+from kv_bridge.config_spec import SpeculativeConfig
 from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
 from kv_bridge.fidelity import FidelityConfig
 from kv_bridge.site_config import SiteConfig
@@ -101,6 +102,9 @@ class ModelRoute(ModelSizes):
     tool_parser: str | None = Field(
         default=None, description='how tool calls are read from the output ("hermes", "qwen3_coder", "harmony", '
         '"none"); default by model family (gpt_oss "harmony", qwen3_moe "qwen3_coder", qwen3/qwen2 "hermes")')
+
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig, description="speculative decoding "
+                                           "on the decode nodes (docs/speculative.md); off by default")
 
     @property
     def names(self) -> list[str]:

@@ -1,0 +1,43 @@
+"""A model's speculative decoding on its decode nodes ([models.speculative] in config.toml; docs/speculative.md):
+which drafter, how many tokens it drafts, and what the node's controller weighs to turn drafting down, off and on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class SpeculativeConfig(BaseModel):
+    """Off by default. A decode node drafts only while the model's batch holds one generation (the lab's case: one
+    request per model at a time); with more it decodes the batch as before."""
+
+    method: Literal["off", "prompt_lookup", "draft"] = Field(
+        default="off", description='"prompt_lookup": drafts from n-gram matches in the prompt and the text so far '
+        '(no extra model); "draft": a small model of the same tokenizer (draft_path) drafts greedily')
+    num_draft: int = Field(default=4, ge=1, le=16, description="most tokens drafted per verify step")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="prompt_lookup: longest suffix n-gram looked up")
+    ngram_min: int = Field(default=2, ge=1, le=16, description="prompt_lookup: shortest suffix n-gram looked up")
+    draft_path: str | None = Field(default=None, description="draft: the draft model's MLX folder (same tokenizer)")
+    adaptive: bool = Field(default=True, description="the node picks the draft length from the acceptance it "
+                           "measures (false: always num_draft)")
+    verify_cost: float = Field(
+        default=0.1, ge=0.0, description="what each drafted token adds to a verify forward, as a fraction of a plain "
+        "decode step (Mac, dense model: ~0.05-0.1; an MoE model more; mlx-cpu here ~1.0). Drafting pays while "
+        "expected tokens per step / (1 + k * verify_cost) > 1 + min_gain")
+    draft_cost: float = Field(default=0.0, ge=0.0, description="draft: one draft-model token as a fraction of a "
+                              "target decode step (added per drafted token to the cost)")
+    min_gain: float = Field(default=0.05, ge=0.0, description="expected speedup below 1 + this: drafting turns off")
+    ewma_alpha: float = Field(default=0.2, gt=0.0, le=1.0, description="weight of the newest verify step in the "
+                              "acceptance average")
+    probe_every: int = Field(default=32, ge=1, description="while off: plain steps before one probing verify step")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.method == "draft" and not self.draft_path:
+            raise ValueError('speculative.method = "draft" needs draft_path: the draft model\'s MLX folder (same '
+                             'tokenizer as the model), or use method = "prompt_lookup"')
+        return self

@@ -1,0 +1,66 @@
+"""Speculative decoding through the whole split: a decode node with prompt lookup on, behind its own gateway and the
+session stack's prefill node (bridged KV), answers greedy chat and JSON-mode requests token for token as the session
+stack's plain decode node does, and its /metrics show the verify steps it ran."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from tests.support.fakes import sample_value
+from tests.support.stack import MODEL_ID, Stack
+
+pytestmark = pytest.mark.e2e
+
+CODE = "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n" \
+       "    return width + height\n"
+SPEC = '\n[models.speculative]\nmethod = "prompt_lookup"\nnum_draft = 4\nadaptive = false\n'
+
+
+@pytest.fixture(scope="module")
+def spec_stack(stack, tmp_path_factory):
+    """Its own decode node (speculation on for the model) and gateway over the session stack's prefill node, whose
+    node secret it shares; no canary (its subject is elsewhere: test_fidelity_e2e)."""
+    s = Stack(tmp_path_factory.mktemp("spec"), node_secret=stack.settings.auth.node_secret.get_secret_value(),
+              prefill_port=stack.settings.node("prefill-0").port, fidelity=False, min_disagg_tokens=3)
+    s.config.write_text(s.config.read_text() + SPEC)  # [models.speculative] of the last (only) [[models]]
+    with s.running(["decode-0", "gateway"]):
+        yield s
+
+
+def chat(url: str, body: dict) -> tuple[dict, dict]:
+    body = {"model": MODEL_ID, "temperature": 0, **body}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read()), dict(r.headers)
+
+
+def metric(s: Stack, name: str, **labels) -> float:
+    req = urllib.request.Request(s.url("decode-0") + "/metrics", headers=s.node_headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return sample_value(r.read().decode(), name, **labels) or 0.0
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": f"Student's code:\n{CODE}\nFirst quote the student's code in a "
+                                              "```python block, then grade it."}], "max_tokens": 32},
+    {"messages": [{"role": "user", "content": f"Describe this code as JSON with keys name and bug:\n{CODE}"}],
+     "max_tokens": 24, "response_format": {"type": "json_object"}},
+], ids=["quoting", "json_mode"])
+def test_split_with_speculation_equals_plain_decoding(stack, spec_stack, body):
+    runs = metric(spec_stack, "disagg_decode_spec_generations_total", model=MODEL_ID, path="speculative")
+    got, headers = chat(spec_stack.url("gateway"), body)
+    want, _ = chat(stack.url("gateway"), body)
+    assert headers["x-disagg-path"] == "disaggregated" and int(headers["x-disagg-kv-tokens"]) > 0
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    assert metric(spec_stack, "disagg_decode_spec_generations_total", model=MODEL_ID, path="speculative") == runs + 1
+
+
+def test_quoting_answers_are_drafted_and_kept(spec_stack):
+    """The requests above ran verify steps, and the target kept drafted tokens (the quoted code)."""
+    assert metric(spec_stack, "disagg_decode_spec_steps_total", model=MODEL_ID, kind="verify") > 0
+    assert metric(spec_stack, "disagg_decode_spec_accepted_tokens_total", model=MODEL_ID) > 0
