@@ -91,7 +91,11 @@ def test_decode_metrics_count_where_a_prompt_came_from():
 
     from backends.node_metrics import DecodeMetrics
 
-    model = SimpleNamespace(batch_size=3, cache_bytes=1000, prefixes=SimpleNamespace(nbytes=500), queued=lambda: 2)
+    from backends.spec_control import SpecController
+    from kv_bridge.config_spec import SpeculativeConfig
+
+    model = SimpleNamespace(batch_size=3, cache_bytes=1000, prefixes=SimpleNamespace(nbytes=500), queued=lambda: 2,
+                            speculation=SpecController(SpeculativeConfig()))  # off, as by default
     svc = SimpleNamespace(models={MODEL_ID: model}, running=5,
                           receiver=SimpleNamespace(transfers={"a": 1}, inflight_bytes=4096))
     m = DecodeMetrics(svc)
