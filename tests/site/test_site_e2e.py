@@ -302,9 +302,13 @@ def long_prompts(site):
 
 def test_link_rate_learned_is_the_shaped_rate(site, long_prompts):
     """After the long prompts (one transfer at a time), /health's learned spark-0 -> Mac rate is within 25% of
-    [site] link_bytes_per_s, though the router's prior is the site's 10GbE (15x more)."""
+    [site] link_bytes_per_s, though the router's prior is the site's 10GbE (15x more). Judged on the Macs the long
+    prompts went to: another Mac's rate was learned from the grading burst's concurrent transfers (once 113 MB/s of
+    80 from 3 of them), which is not this test's premise."""
     links = health(site)["rates"]["link_bytes_per_s"]
-    learned = {k: v for k, v in links.items() if k.startswith("spark-0->") and v["samples"] >= 3}
+    macs = {r["headers"]["x-disagg-decode-node"] for r in long_prompts["rows"]}
+    learned = {k: v for k, v in links.items()
+               if k.startswith("spark-0->") and k.split("->")[1] in macs and v["samples"] >= 3}
     assert learned, links
     shaped = site.settings.site.link_bytes_per_s
     for pair, rate in learned.items():
