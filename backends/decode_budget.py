@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kv_bridge.config import ModelRoute, NodeConfig, Settings, resolve_model_path
+from kv_bridge.dtypes import itemsize
 
 GIB = 2**30
 # mlx-lm's BatchGenerator prefills each prompt in chunks of prefill_step_size tokens (2048, mlx_lm/generate.py), up
@@ -82,7 +83,7 @@ def kv_per_token(cfg: dict) -> tuple[int, str]:
     """(bytes one token's KV takes at full length over every layer, dtype) as the decode node holds it."""
     dtype = cfg.get("torch_dtype") if cfg.get("torch_dtype") in ("float16", "bfloat16", "float32") else "float32"
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    item = 4 if dtype == "float32" else 2
+    item = itemsize(dtype)
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * item, dtype
 
 
@@ -93,7 +94,7 @@ def prefill_peak_bytes(cfg: dict, max_len: int) -> int:
     C x max_len x 1 B (the batch cache's bool mask) where Metal fuses them, else heads x C x max_len x 4 B; and one
     layer's K and V copied as the cache grows, 2 x kv_heads x head_dim x max_len x itemsize."""
     per_token, dtype = kv_per_token(cfg)
-    item = 4 if dtype == "float32" else 2
+    item = itemsize(dtype)
     hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kv_bridge.config import Settings
+from kv_bridge.dtypes import itemsize
 
 from backends.decode_budget import geometry, kv_per_token
 from backends.grading_predict import ModelRates, Route, Site
@@ -24,7 +25,6 @@ LINK_10GBE = 1.1e9  # B/s of payload on 10GbE (docs/deploy.md section 9)
 # One more generation in a Mac's batch costs this share of a single step: decode is memory-bound (the weights are read
 # once per step for the whole batch). An assumption, not a published figure: measure it on the site.
 MAC_BATCH_COST = 0.1
-WIRE_ITEM = {"float8_e4m3": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _geometry(settings: Settings, base: Path) -> dict[str, dict]:
@@ -41,8 +41,8 @@ def _kv_bytes(cfg: dict | None, wire_dtype: str) -> tuple[float, float]:
     if cfg is None:
         return 0.0, 0.0
     held, dtype = kv_per_token(cfg)
-    per_value = 4 if dtype == "float32" else 2
-    return held / per_value * WIRE_ITEM.get(wire_dtype, per_value), float(held)
+    wire = dtype if wire_dtype == "auto" else wire_dtype  # "auto": the KV crosses in the model's dtype
+    return held / itemsize(dtype) * itemsize(wire), float(held)
 
 
 def routes(settings: Settings) -> dict[str, Route]:
