@@ -53,6 +53,15 @@ class Task:
     future: Future = field(default_factory=Future)
     steps: object | None = None
 
+    def settle(self, result: object = None, error: BaseException | None = None) -> None:
+        """The task's outcome to its caller, unless the caller went (cancelled: a gateway stopped mid-canary)."""
+        if self.future.cancelled():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
 
 class MLXModel:
     """The model, its tokenizer and the one thread that may touch them."""
@@ -149,8 +158,7 @@ class MLXModel:
             except queue.Empty:
                 return
             if isinstance(job, Task):
-                if not job.future.cancelled():
-                    job.future.set_exception(RuntimeError(self.failure))
+                job.settle(error=RuntimeError(self.failure))
             elif job is not None:
                 job.emit(("error", self.failure))
                 job.emit(None)
@@ -218,8 +226,7 @@ class MLXModel:
             if batch is not None:
                 batch.abandon(self.failure)
             for task in self._tasks:
-                if not task.future.cancelled():
-                    task.future.set_exception(RuntimeError(self.failure))
+                task.settle(error=RuntimeError(self.failure))
             self._fail_queued()  # no request waits forever: /health now answers 503, the gateway fails over
 
     def _admit(self, batch: Batch, spec, job: Job, alone: bool):
@@ -264,13 +271,11 @@ class MLXModel:
                 next(task.steps)
             except StopIteration as done:
                 self._tasks.remove(task)
-                if not task.future.cancelled():  # its caller went (a gateway stopped mid-canary): nobody to tell
-                    task.future.set_result(done.value)
+                task.settle(done.value)
             except Exception as e:  # the task's own failure, never the loop's
                 log.exception("MLX task failed")
                 self._tasks.remove(task)
-                if not task.future.cancelled():
-                    task.future.set_exception(e)
+                task.settle(error=e)
 
     def _arrivals(self, block: bool) -> list[Job | Task | None]:
         jobs = [self._inbox.get()] if block else []

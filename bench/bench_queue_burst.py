@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,27 +65,6 @@ def report(title: str, rows: list[tuple[str, str, float]]) -> None:
     print(f"  slowest {max(s for _, _, s in rows):.1f} s")
 
 
-def narrow_gateway(config: Path, max_queued: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "DISAGG_GATEWAY__PORT": str(port), "DISAGG_GATEWAY__HOST": "127.0.0.1",
-           "DISAGG_GATEWAY__QUEUE__MAX_QUEUED": str(max_queued)}
-    proc = subprocess.Popen([sys.executable, "-m", "backends.cli", "gateway", "--config", str(config)], cwd=ROOT,
-                            env=env, stdout=open(Path(tempfile.gettempdir()) / "bench-queue-burst-gateway.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("the narrow gateway did not come up")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=ROOT / "examples" / "site-local.toml")
@@ -111,12 +84,11 @@ def main() -> None:
     report(f"{n} at once on {route.id} (max_inflight {route.max_inflight}, max_queued {s.gateway.queue.max_queued})",
            rows)
     if args.max_queued is not None:
-        proc, url = narrow_gateway(args.config, args.max_queued)
-        try:
-            rows = asyncio.run(burst(url, key, route.id, n, args.num_predict))
-        finally:
-            proc.terminate()
-            proc.wait(15)
+        from backends.second_gateway import SecondGateway
+
+        log = Path(tempfile.gettempdir()) / "bench-queue-burst-gateway.log"
+        with SecondGateway(args.config, log, env={"DISAGG_GATEWAY__QUEUE__MAX_QUEUED": str(args.max_queued)}) as gw:
+            rows = asyncio.run(burst(gw.url, key, route.id, n, args.num_predict))
         report(f"{n} at once through a gateway with max_queued {args.max_queued}", rows)
 
 
