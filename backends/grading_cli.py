@@ -10,15 +10,12 @@ import argparse
 import json
 import logging
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from kv_bridge.config import Settings
 
-from backends import grading, grading_predict as gp, grading_rates
-
+from backends import grading, grading_cpu, grading_predict as gp, grading_rates
+from backends.second_gateway import SecondGateway
 
 
 def add_parser(sub, common) -> None:
@@ -39,11 +36,13 @@ def add_parser(sub, common) -> None:
     g.add_argument("--predict", action="store_true", help="no replay: the split and Mac-alone makespans of the "
                    "config's site at the published rates, their ratio and the dominant term")
     g.add_argument("--batch-cost", type=float, default=None, help="a decode batch step's cost per extra generation, "
-                   "as a share of one step (default: 0.1, a Mac's memory-bound decode; 1.0 for a config with [site], "
-                   "mlx-cpu's compute-bound one)")
+                   "as a share of one step (default: 0.1, a Mac's memory-bound decode; 1.0 when every node is on "
+                   "loopback (`make site`), mlx-cpu's compute-bound one)")
     g.add_argument("--shared", type=float, default=None, help="every node on one machine: how many run at their "
-                   "measured speed at once (default: 1.5 for a config with [site], the one-machine rehearsal on 2 "
-                   "cores, fitted to two classes there; else none)")
+                   "measured speed at once (default, when every node is on loopback: this machine's cores over the "
+                   "CPU a busy node cost it in the calibration calls, from /proc/stat; else none)")
+    g.add_argument("--calibration", type=int, default=2, help="submissions sent alone before the class to measure the "
+                   "rates and how long answers run (default 2: one answer's length is a poor guide to the class's)")
     g.add_argument("--timeout", type=float, default=grading.CLIENT_TIMEOUT_S, help="client timeout per request (s)")
     g.add_argument("--json", type=Path, default=Path("grading.json"), help="the result file")
     g.add_argument("--png", type=Path, default=Path("grading.png"), help="the timeline ('' for none)")
@@ -91,32 +90,59 @@ def _gateway_url(settings: Settings) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{settings.gateway.port}"
 
 
-def _calibrate(replay: grading.Replay, calls: list[grading.Call]) -> dict[str, dict[str, float]]:
-    """One submission outside the class (its own seed: no prefix shared with the class), each call sent alone: the
-    rates of the machine now, as the gateway reports them (decode: eval_count / eval_duration; prefill: prompt
-    tokens / x-disagg-prefill-ms; ingest, or the Mac's own prefill on the local path: prompt tokens / the rest of the
-    time to first token) and how much of num_predict an answer uses (`answer_share`: num_predict is only a cap)."""
-    out: dict[str, dict[str, float]] = {}
+class Calibration:
+    """What submissions outside the class, each call sent alone, measured: per model the rates of the machine now
+    (as the gateway reports them: decode eval_count / eval_duration; prefill prompt tokens / x-disagg-prefill-ms;
+    ingest, or the Mac's own prefill on the local path, prompt tokens / the rest of the time to first token), each the
+    calls' tokens over their seconds, and how much of num_predict an answer uses (`answer_share`: num_predict is only
+    a cap); on one machine, its CPU seconds over the seconds the calls computed."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, dict[str, list[float]]] = {}  # model -> rate -> [tokens, seconds]
+        self.cpu_s = 0.0
+        self.busy_s = 0.0
+
+    def add(self, model: str, rate: str, tokens: float, seconds: float) -> None:
+        if seconds > 0:
+            t = self.sums.setdefault(model, {}).setdefault(rate, [0.0, 0.0])
+            t[0] += tokens
+            t[1] += seconds
+
+    @property
+    def rates(self) -> dict[str, dict[str, float]]:
+        return {m: {k: (min(1.0, n / d) if k == "answer_share" else n / d) for k, (n, d) in r.items()}
+                for m, r in self.sums.items()}
+
+    def shared(self, one_machine: bool) -> tuple[float | None, float | None]:
+        return grading_cpu.shared(self.cpu_s, self.busy_s, grading_cpu.cores()) if one_machine else (None, None)
+
+
+def _calibrate(replay: grading.Replay, calls: list[grading.Call], cpu: bool) -> Calibration:
+    """Submissions outside the class (their own seed: no prefix shared with the class), each call sent alone."""
+    out = Calibration()
     httpx = grading.need_httpx()
     with httpx.Client(timeout=replay.timeout) as http:
         for c in calls:
+            before = grading_cpu.machine_cpu_seconds() if cpu else None
             r = http.post(replay.url + "/api/generate", headers=replay.headers, json={
                 "model": c.model, "prompt": c.prompt, "stream": False, **({"format": "json"} if c.json_format else {}),
                 "options": {"num_predict": c.num_predict, "temperature": 0.2, "top_p": 0.9, "seed": c.seed}})
+            after = grading_cpu.machine_cpu_seconds() if cpu else None
             if r.status_code != 200 or not r.json().get("eval_duration"):
                 continue
             d, h = r.json(), r.headers
-            rates = {"decode": max(1, d["eval_count"] - 1) / (d["eval_duration"] / 1e9),
-                     "answer_share": min(1.0, d["eval_count"] / c.num_predict)}
+            out.add(c.model, "decode", max(1, d["eval_count"] - 1), d["eval_duration"] / 1e9)
+            out.add(c.model, "answer_share", d["eval_count"], c.num_predict)
             prefill_s = float(h.get("x-disagg-prefill-ms", 0)) / 1000
             rest = d["prompt_eval_duration"] / 1e9 - prefill_s - float(h.get("x-disagg-queue-ms", 0)) / 1000
-            if h.get("x-disagg-path") == "local" and rest > 0:
-                rates["local"] = d["prompt_eval_count"] / rest
+            if h.get("x-disagg-path") == "local":
+                out.add(c.model, "local", d["prompt_eval_count"], rest)
             if h.get("x-disagg-path") == "disaggregated" and prefill_s > 0:
-                rates["prefill"] = d["prompt_eval_count"] / prefill_s
-                if rest > 0:
-                    rates["ingest"] = d["prompt_eval_count"] / rest
-            out[c.model] = rates
+                out.add(c.model, "prefill", d["prompt_eval_count"], prefill_s)
+                out.add(c.model, "ingest", d["prompt_eval_count"], rest)
+            if before is not None and after is not None:  # the seconds the cost model counts as a node's work
+                out.cpu_s += after - before
+                out.busy_s += d["eval_duration"] / 1e9 + (prefill_s if prefill_s > 0 else max(0.0, rest))
     return out
 
 
@@ -147,65 +173,23 @@ def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode:
             "requests": grading.result_rows(results)}
 
 
-class MacAloneGateway:
-    """A second gateway process over the same nodes, its models without prefill nodes: the local path only."""
-
-    def __init__(self, config: Path, port: int, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        code = ("import sys; from backends.grading_cli import serve_mac_alone; "
-                "serve_mac_alone(sys.argv[1], int(sys.argv[2]))")
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(config), str(port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
-
-    def wait(self, timeout: float = 120.0) -> None:
-        httpx = grading.need_httpx()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the Mac-alone gateway exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the Mac-alone gateway did not answer /health in {timeout:.0f} s; see {self.log.name}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-def serve_mac_alone(config: str, port: int) -> None:
-    from gateway.app import serve
-    from kv_bridge.config import load_config
-
-    s = load_config(config)
-    serve(s.model_copy(update={"gateway": s.gateway.model_copy(update={"host": "127.0.0.1", "port": port}),
-                               "models": [m.model_copy(update={"prefill": []}) for m in s.models]}))
-
-
 def _rates_line(rates: dict[str, dict[str, float]]) -> str:
     return "; ".join(f"{m} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()) for m, r in rates.items())
 
 
-def _with(site: gp.Site, shared: float | None) -> gp.Site:
-    site.shared = shared
-    return site
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _shared(args: argparse.Namespace, cal: Calibration, one_machine: bool) -> float | None:
+    """--shared, else on one machine its cores over the CPU the nodes used per second of work (printed)."""
+    if args.shared is not None:
+        return args.shared
+    shared, use = cal.shared(one_machine)
+    if shared is not None:
+        print(f"one machine: a busy node cost it {use:.2f} CPU-s a second ({cal.cpu_s:.1f} CPU-s over {cal.busy_s:.1f} "
+              f"s of the calibration's work, /proc/stat), {grading_cpu.cores()} cores: {shared:.2f} nodes at their "
+              "measured speed at once")
+    elif one_machine:
+        print("one machine, but its CPU seconds could not be read (no /proc/stat): the prediction assumes every node "
+              "at its measured speed at once")
+    return shared
 
 
 def main(settings: Settings, args: argparse.Namespace) -> int:
@@ -225,38 +209,45 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
                              args.num_predict_scale)
     replay.count_tokens(calls)
     health = grading.need_httpx().get(replay.url + "/health", timeout=10).json()
-    calibration = grading.workload(1, models, args.scale, args.seed + 1_000_003, None, args.num_predict_scale)
-    measured_rates = _calibrate(replay, calibration)
+    calibration = grading.workload(args.calibration, models, args.scale, args.seed + 1_000_003, None,
+                                   args.num_predict_scale)
+    one_machine = grading_cpu.one_machine(settings)  # `make site`, a test stack: every node on this machine's CPU
+    cpu = one_machine and args.shared is None
+    cal = _calibrate(replay, calibration, cpu)
+    measured_rates = cal.rates
     share = {m: r["answer_share"] for m, r in measured_rates.items()}
-    one_machine = "site" in settings.model_fields_set  # `make site`: every role on this machine's CPU
     site = grading_rates.learned_site(settings, base, health, measured_rates, args.batch_cost if args.batch_cost
                                       is not None else (1.0 if one_machine else grading_rates.MAC_BATCH_COST))
-    site.shared = args.shared if args.shared is not None else (1.5 if one_machine else None)
-    print("measured by one submission outside the class (tokens/s; the share of num_predict an answer used): "
+    site.shared = _shared(args, cal, one_machine)
+    print(f"measured by {args.calibration} submission(s) outside the class (tokens/s; the share of num_predict an "
+          "answer used): "
           + _rates_line(measured_rates))
     runs = [_run(replay, calls, site, "split", share)]
     if args.baseline == "mac-alone":
-        gw = MacAloneGateway(args.config, _free_port(), args.json.with_suffix(".mac-alone-gateway.log"))
-        try:
-            gw.wait()
+        with SecondGateway(args.config, args.json.with_suffix(".mac-alone-gateway.log"), mac_alone=True) as gw:
             alone = grading.Replay(gw.url, key, not args.no_progress, args.timeout)
             # the same sizes, other notebooks: the split's prompts are in the Macs' prefix caches now
             calls = grading.workload(args.submissions, models, args.scale, args.seed, args.concurrency,
                                      args.num_predict_scale, texts="mac-alone")
             alone.count_tokens(calls)
-            local = _calibrate(alone, calibration)
-            print("Mac-alone rates measured by one request per model (tokens/s): " + _rates_line(local))
+            # one submission (mlx-cpu prefills slowly), other notebooks: the split's calibration is in the prefix caches
+            recal = grading.workload(1, models, args.scale, args.seed + 1_000_003, None, args.num_predict_scale,
+                                     texts="mac-alone")
+            local_cal = _calibrate(alone, recal, cpu)
+            local = local_cal.rates
+            print("Mac-alone rates measured by one submission (tokens/s): " + _rates_line(local))
             merged = {m: {**measured_rates.get(m, {}), **{k: v for k, v in local.get(m, {}).items() if k == "local"}}
                       for m in models}
-            alone_site = _with(grading_rates.learned_site(settings, base, health, merged, site.batch_cost), site.shared)
+            alone_site = grading_rates.learned_site(settings, base, health, merged, site.batch_cost)
+            alone_site.shared = _shared(args, local_cal, one_machine)
             runs.append(_run(alone, calls, alone_site, "mac-alone", share))
-        finally:
-            gw.stop()
         ratio = runs[1]["measured"]["makespan_s"] / max(runs[0]["measured"]["makespan_s"], 1e-9)
         predicted = runs[1]["predicted"]["makespan_s"] / max(runs[0]["predicted"]["makespan_s"], 1e-9)
         print(f"Mac-alone / split, measured: {ratio:.2f}x (predicted {predicted:.2f}x)")
     result = {"submissions": args.submissions, "scale": args.scale, "concurrency": args.concurrency or len(models),
-              "models": models, "calibrated_rates": measured_rates, "runs": runs}
+              "models": models, "calibrated_rates": measured_rates, "runs": runs,
+              "one_machine": {"shared": site.shared, "cpu_s": round(cal.cpu_s, 2), "busy_s": round(cal.busy_s, 2),
+                              "cores": grading_cpu.cores()} if one_machine else None}
     args.json.write_text(json.dumps(result, indent=1))
     print(f"result: {args.json}")
     if str(args.png) not in ("", "."):

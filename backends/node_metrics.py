@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Mapping, Protocol
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
@@ -74,6 +74,9 @@ class DecodeMetrics:
         self.kv_bytes_received = Counter("disagg_decode_kv_received_bytes", "KV bytes received from prefill nodes",
                                          ["model"], registry=r)
         r.register(_Gauges(svc))
+        # process_cpu_seconds_total, memory, open fds (Linux; none on macOS): what vLLM's registry has on the prefill
+        # node, and what `disagg bench grading` reads to bound a site on one machine
+        ProcessCollector(registry=r)
 
     def route(self, app: web.Application) -> None:
         async def metrics(request: web.Request) -> web.Response:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -214,14 +215,48 @@ async def test_the_command_fails_on_any_error(empty_config, tmp_path):
     assert json.loads((tmp_path / "g.json").read_text())["runs"][0]["measured"]["errors"] == 2
 
 
-def test_on_one_machine_the_class_takes_at_least_its_work_over_the_shared_capacity():
-    # two Macs decode 10 s each at once; one machine running one node at full speed needs 2 x 10 s + the prefills
+def test_on_one_machine_busy_nodes_past_its_share_stretch_the_timeline():
+    # one prefill node (1 s each, in turn) then two Macs decoding 10 s each at once
     calls = [Call(0, "a", 1000, 100, 0), Call(1, "a", 1000, 100, 1)]
     outs = simulate(_site(decode_nodes=("m0", "m1")), calls)
     assert summary(outs)["makespan_s"] == pytest.approx(12.05)
-    shared = summary(outs, shared=1.0)
-    assert shared["machine_bound_s"] == pytest.approx(2 * 1.0 + 2 * 10.0) and shared["dominant"] == "machine"
-    assert summary(outs, shared=2.0)["makespan_s"] == pytest.approx(12.05)  # two at once: the event model's
+    assert {o.prefill_node for o in outs} == {"p"} and {o.node for o in outs} == {"m0", "m1"}
+    one = summary(outs, shared=1.0)  # one node at full speed at a time: the class takes all its work in turn
+    assert one["machine_bound_s"] == pytest.approx(2 * 1.0 + 2 * 10.0) and one["dominant"] == "machine"
+    # processor sharing: the prefill node alone to 1.05 (m0 starts after the KV), with m0 to 2.0 (2 busy: twice as
+    # long), m0 alone to 2.05 (the second's KV), both Macs to 11.05, m1 alone to 12.05
+    assert one["makespan_s"] == pytest.approx(1.05 + 2 * 0.95 + 0.05 + 2 * 9.0 + 1.0)
+    assert one["unshared_makespan_s"] == pytest.approx(12.05)
+    assert summary(outs, shared=2.0)["makespan_s"] == pytest.approx(12.05)  # two at once: nothing stretches
+    half = summary(outs, shared=1.5)["makespan_s"]
+    assert 12.05 < half < one["makespan_s"]
+
+
+def test_the_one_machine_term_is_the_cores_over_the_cpu_a_busy_node_costs(tmp_path):
+    """`shared` from measurement: calls that cost the machine 4 CPU-s over 2 s of work use 2 cores a node; 2 cores run
+    one at its measured speed, 8 cores four. The CPU seconds are the machine's (/proc/stat); a site is one machine
+    when every node is on loopback."""
+    from backends import grading_cpu
+    from kv_bridge.config import load_config
+
+    assert grading_cpu.shared(4.0, 2.0, 2) == (1.0, 2.0) and grading_cpu.shared(4.0, 2.0, 8) == (4.0, 2.0)
+    assert grading_cpu.shared(0.0, 2.0, 2) == (None, None)  # nothing read: no stretch
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 20 30 5000 40 5 5 0 0 0\ncpu0 50 10 15 2500 20 2 3 0 0 0\n")
+    assert grading_cpu.machine_cpu_seconds(str(stat)) == pytest.approx(160 / os.sysconf("SC_CLK_TCK"))
+    assert grading_cpu.machine_cpu_seconds(str(tmp_path / "none")) is None  # macOS: no /proc/stat
+    a, b = grading_cpu.machine_cpu_seconds(), grading_cpu.machine_cpu_seconds()
+    assert a is not None and b >= a  # this machine's, moving forward
+
+    def config(host: str) -> Path:
+        path = tmp_path / f"{host}.toml"
+        path.write_text(f"""[[nodes]]\nname = "p"\nrole = "prefill"\nhost = "{host}"\nport = 8100\n
+[[nodes]]\nname = "d"\nrole = "decode"\nhost = "127.0.2.21"\nport = 8200\nkv_port = 8201\n""")
+        return path
+
+    assert grading_cpu.one_machine(load_config(config("127.0.1.11")))   # `make site`'s addresses
+    assert grading_cpu.one_machine(load_config(config("localhost")))
+    assert not grading_cpu.one_machine(load_config(config("10.0.0.5")))  # a Spark on the lab's network
 
 
 def test_the_command_line_loads_without_the_replays_client():

@@ -20,7 +20,7 @@ def test_a_tiny_class_replayed_through_the_split(stack, tmp_path):
     out = tmp_path / "grading.json"
     cmd = [sys.executable, "-m", "backends.cli", "bench", "grading", "--config", str(stack.config),
            "--url", stack.url("gateway"), "--models", MODEL_ID, "--submissions", "2", "--scale", "0.02",
-           "--json", str(out), "--png", str(tmp_path / "grading.png"), "--no-progress"]
+           "--calibration", "1", "--json", str(out), "--png", str(tmp_path / "grading.png"), "--no-progress"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **stack.env}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [run] = json.loads(out.read_text())["runs"]
@@ -35,4 +35,10 @@ def test_a_tiny_class_replayed_through_the_split(stack, tmp_path):
     assert all(r["prompt_tokens"] >= 170 and r["segments"]["decode"][1] > r["segments"]["decode"][0]
                for r in run["requests"])
     assert run["predicted"]["makespan_s"] > 0 and "against predicted" in proc.stdout
+    # every node on this machine: the machine's CPU over the calibration's work (/proc/stat) sets the share
+    one = json.loads(out.read_text())["one_machine"]
+    assert one["cpu_s"] > 0 and one["busy_s"] > 0 and one["shared"] == pytest.approx(
+        one["cores"] * one["busy_s"] / one["cpu_s"], rel=0.02), one
+    assert "one machine: a busy node cost it" in proc.stdout
+    assert run["predicted"]["makespan_s"] >= run["predicted"]["unshared_makespan_s"]  # sharing never speeds it up
     assert (tmp_path / "grading.png").read_bytes()[:4] == b"\x89PNG"

@@ -53,6 +53,8 @@ def test_node_metrics_carry_the_dashboard_names(stack):
     assert sample(after, "disagg_decode_kv_received_bytes_total", model=MODEL_ID) > \
         sample(before, "disagg_decode_kv_received_bytes_total", model=MODEL_ID)
     assert sample(vllm, "vllm:prompt_tokens_total", model_name=MODEL_ID) >= usage["prompt_tokens"] - 1
+    # both nodes export their process's CPU, memory and open files (prometheus_client's process collector)
+    assert sample(after, "process_cpu_seconds_total") > 0 and sample(vllm, "process_cpu_seconds_total") > 0
 
 
 async def test_metrics_open_other_routes_keep_the_node_credential():
@@ -116,3 +118,4 @@ def test_decode_metrics_count_where_a_prompt_came_from():
     assert sample(text, "disagg_decode_requests_running") == 5
     assert sample(text, "disagg_decode_kv_transfers") == 1
     assert sample(text, "disagg_decode_kv_inflight_bytes") == 4096
+    assert sample(text, "process_cpu_seconds_total") > 0  # this process's, as on a node (Linux)
