@@ -7,7 +7,6 @@ POST /v1/generate is vLLM alone (reference, no transfer).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
