@@ -2,6 +2,7 @@
 
 # ---- gateway tests: fake-node cluster fixtures (implemented in tests/support/fakes.py) ----
 from tests.support.fakes import cluster, empty_config, local_cluster  # noqa: E402,F401
+from tests.support.toolcalls import tool_family  # noqa: E402,F401
 
 # ---- end gateway tests ----
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.support.fakes import Cluster
 from tests.support.tiny_models import write_family_tokenizer
 
@@ -28,3 +30,14 @@ async def tool_cluster(tmp_path, family: str, reply: str) -> Cluster:
     c = await Cluster(n_prefill=0, model_dir=folder).start()
     c.decode.speak(folder, reply)
     return c
+
+
+@pytest.fixture(params=[("qwen3_moe", QWEN_CALL, "Let me check.\n", ""),
+                        ("gpt_oss", HARMONY_CALL, "", "Need weather.")], ids=["qwen3_moe", "gpt_oss"])
+async def tool_family(request, tmp_path, empty_config):
+    """A fake cluster answering each family's real tool-call tokens: (cluster, the text before the call, the
+    reasoning before it)."""
+    name, reply, text, reasoning = request.param
+    c = await tool_cluster(tmp_path, name, reply)
+    yield c, text, reasoning
+    await c.stop()

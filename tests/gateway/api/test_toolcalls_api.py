@@ -7,23 +7,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.support.fakes import MODEL_ID
-from tests.support.toolcalls import ARGS, HARMONY_CALL, MESSAGES, QWEN_CALL, TOOLS, tool_cluster
+from tests.support.toolcalls import ARGS, MESSAGES, TOOLS, tool_cluster
 
 
-@pytest.fixture(params=[("qwen3_moe", QWEN_CALL, "Let me check.\n"), ("gpt_oss", HARMONY_CALL, "")])
-async def family(request, tmp_path, empty_config):
-    name, reply, text = request.param
-    c = await tool_cluster(tmp_path, name, reply)
-    yield c, text
-    await c.stop()
-
-
-async def test_openai_client_reads_tool_calls(family):
+async def test_openai_client_reads_tool_calls(tool_family):
     import openai
-    c, text = family
+    c, text, _ = tool_family
     client = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused")
     r = await client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, tools=TOOLS, max_tokens=200)
     choice = r.choices[0]
@@ -63,9 +53,9 @@ async def test_openai_client_reads_tool_calls(family):
     await client.close()
 
 
-async def test_ollama_client_reads_tool_calls(family):
+async def test_ollama_client_reads_tool_calls(tool_family):
     import ollama
-    c, text = family
+    c, text, _ = tool_family
     oc = ollama.AsyncClient(host=c.url)
     r = await oc.chat(MODEL_ID, messages=MESSAGES, tools=TOOLS, options={"num_predict": 200})
     (call,) = r.message.tool_calls

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fakes import MODEL_ID, REPLY, Cluster
-from tests.support.toolcalls import ARGS, HARMONY_CALL, QWEN_CALL, tool_cluster
+from tests.support.toolcalls import ARGS, HARMONY_CALL, tool_cluster
 from tests.support.oracle import _extras
 from tests.support.tiny_models import TEMPLATES_DIR, write_family_tokenizer
 
@@ -69,17 +69,8 @@ async def test_streamed_text_events(local_cluster):
     await client.close()
 
 
-@pytest.fixture(params=[("qwen3_moe", QWEN_CALL, "Let me check.\n", ""), ("gpt_oss", HARMONY_CALL, "",
-                                                                          "Need weather.")])
-async def family(request, tmp_path, empty_config):
-    name, reply, text, thinking = request.param
-    c = await tool_cluster(tmp_path, name, reply)
-    yield c, text, thinking
-    await c.stop()
-
-
-async def test_tool_use_and_thinking_blocks(family):
-    c, text, thinking = family
+async def test_tool_use_and_thinking_blocks(tool_family):
+    c, text, thinking = tool_family
     client = _client(c)
     m = await client.messages.create(model=MODEL_ID, max_tokens=200, messages=ASK, tools=TOOLS)
     kinds = (["thinking"] if thinking else []) + (["text"] if text else []) + ["tool_use"]

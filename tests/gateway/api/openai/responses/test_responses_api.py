@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.fakes import MODEL_ID, REPLY, Cluster
 from tests.support.oracle import _extras
-from tests.support.toolcalls import ARGS, HARMONY_CALL, QWEN_CALL, tool_cluster
+from tests.support.toolcalls import ARGS, HARMONY_CALL, tool_cluster
 from tests.support.tiny_models import write_family_tokenizer
 
 import openai
@@ -68,17 +68,8 @@ async def test_streamed_text_events(local_cluster):
     await client.close()
 
 
-@pytest.fixture(params=[("qwen3_moe", QWEN_CALL, "Let me check.\n", ""), ("gpt_oss", HARMONY_CALL, "",
-                                                                          "Need weather.")])
-async def family(request, tmp_path, empty_config):
-    name, reply, text, reasoning = request.param
-    c = await tool_cluster(tmp_path, name, reply)
-    yield c, text, reasoning
-    await c.stop()
-
-
-async def test_function_calls_and_reasoning_items(family):
-    c, text, reasoning = family
+async def test_function_calls_and_reasoning_items(tool_family):
+    c, text, reasoning = tool_family
     client = _client(c)
     r = await client.responses.create(model=MODEL_ID, input=ASK, tools=TOOLS, max_output_tokens=200)
     kinds = [o.type for o in r.output]
