@@ -75,7 +75,7 @@ class DecodeMetrics:
                                          ["model"], registry=r)
         r.register(_Gauges(svc))
         # process_cpu_seconds_total, memory, open fds (Linux; none on macOS): what vLLM's registry has on the prefill
-        # node, and what `disagg bench grading` reads to bound a site on one machine
+        # node
         ProcessCollector(registry=r)
 
     def route(self, app: web.Application) -> None:

