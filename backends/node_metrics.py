@@ -18,7 +18,7 @@ class _Prefixes(Protocol):
 
 
 class _ModelState(Protocol):
-    speculation: object  # backends.spec_control.SpecController
+    speculation: object  # backends.decode.speculative.control.SpecController
     batch_size: int
     cache_bytes: int
     prefixes: _Prefixes
@@ -32,7 +32,7 @@ class _Receiver(Protocol):
 
 
 class DecodeState(Protocol):
-    """What the gauges read from the decode node's service (backends.decode_node.DecodeService), named here so this
+    """What the gauges read from the decode node's service (backends.decode.node.DecodeService), named here so this
     module need not import the service that imports it."""
 
     models: Mapping[str, _ModelState]

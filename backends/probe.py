@@ -15,7 +15,7 @@ from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body
 from kv_bridge import wire
-from kv_bridge.config import resolve_model_path
+from kv_bridge.config.models import resolve_model_path
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import TransferError
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.grammar import GrammarCompiler, GrammarSpec
+from backends.decode.grammar import GrammarCompiler, GrammarSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m"

@@ -19,7 +19,8 @@ import blake3
 import xxhash
 
 from bench.bench_transfer import D, H, L, LoopThread, bridge_once, free_port, kv_layers
-from kv_bridge.config import AuthConfig, KVConfig
+from kv_bridge.config.auth import AuthConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver
 from kv_bridge.sender import KVSender
 

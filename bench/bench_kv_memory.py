@@ -16,7 +16,7 @@ import numpy as np
 
 from bench.bench_transfer import LoopThread, ends
 from kv_bridge import dtypes, wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver
 from kv_bridge.sender import KVSender
 

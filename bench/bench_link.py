@@ -25,7 +25,8 @@ import numpy as np
 
 from bench.bench_transfer import D, H, L, SPEC, LoopThread, RawReceiver, free_port, kv_layers, raw_send
 from kv_bridge import wire
-from kv_bridge.config import AuthConfig, KVConfig
+from kv_bridge.config.auth import AuthConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver
 from kv_bridge.sender import KVSender
 

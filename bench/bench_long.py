@@ -36,7 +36,7 @@ def start_stack(wire: str) -> Stack:
     stack = Stack(Path(tempfile.mkdtemp(prefix=f"bench-long-{wire}-")), kv_timeout_s=600.0, min_disagg_tokens=8)
     text = stack.config.read_text().replace("max_model_len = 4096", f"max_model_len = {MAX_MODEL_LEN}")
     stack.config.write_text(text)
-    from kv_bridge.config import load_config
+    from kv_bridge.config.settings import load_config
 
     stack.settings = load_config(stack.config)
     for name in ("decode-0", "prefill-0", "gateway"):

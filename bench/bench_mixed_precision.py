@@ -48,7 +48,7 @@ def prompts(tok, n: int, length: int) -> list[list[int]]:
 async def _bridged(url: str, ids: list[int]):
     import aiohttp
 
-    from kv_bridge.config import KVConfig
+    from kv_bridge.config.nodes import KVConfig
     from kv_bridge.fingerprint import kv_spec
     from kv_bridge.receiver import KVReceiver
 

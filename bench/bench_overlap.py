@@ -32,7 +32,8 @@ import numpy as np
 from bench.bench_transfer import LoopThread
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port
 
-from kv_bridge.config import KVConfig, load_config
+from kv_bridge.config.nodes import KVConfig
+from kv_bridge.config.settings import load_config
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver
 

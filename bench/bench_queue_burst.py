@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--max-queued", type=int, help="also burst through a gateway whose model queues at most this")
     p.add_argument("--num-predict", type=int, default=16)
     args = p.parse_args()
-    from kv_bridge.config import load_config
+    from kv_bridge.config.settings import load_config
 
     s = load_config(args.config)
     route = s.route(args.model) if args.model else s.models[0]
@@ -84,7 +84,7 @@ def main() -> None:
     report(f"{n} at once on {route.id} (max_inflight {route.max_inflight}, max_queued {s.gateway.queue.max_queued})",
            rows)
     if args.max_queued is not None:
-        from backends.second_gateway import SecondGateway
+        from backends.site.second_gateway import SecondGateway
 
         log = Path(tempfile.gettempdir()) / "bench-queue-burst-gateway.log"
         with SecondGateway(args.config, log, env={"DISAGG_GATEWAY__QUEUE__MAX_QUEUED": str(args.max_queued)}) as gw:

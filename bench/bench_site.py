@@ -6,7 +6,7 @@ JSON schema, as many generated tokens (vLLM alone: no grammar, max_tokens = the 
 Run from the repository root, under the heavy lock:
     flock /tmp/disagg-heavy.lock .venv/bin/python -m bench.bench_site [--cells 5,20,40] [--num-predict 32]
         [--local-max-cells 5] [--plot bench_site.png] [--json F] [--running]
-It starts the site (`python -m backends.site`) and stops it after, unless --running (a `make site` already up).
+It starts the site (`python -m backends.site.launch`) and stops it after, unless --running (a `make site` already up).
 The local path runs only up to --local-max-cells: mlx-cpu prefills ~16 tokens/s here, a 2k-token prompt ~2 min.
 """
 
@@ -31,7 +31,7 @@ TIMEOUT = httpx.Timeout(900.0, connect=30.0)
 class Bench:
     def __init__(self, settings, num_predict: int):
         from gateway.text.tokenizer import ChatTokenizer
-        from kv_bridge.config import resolve_model_path
+        from kv_bridge.config.models import resolve_model_path
 
         self.settings, self.num_predict = settings, num_predict
         self.key = settings.auth.client_keys()[0]
@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--running", action="store_true", help="use a site already up (make site)")
     args = p.parse_args()
-    from kv_bridge.config import load_config
+    from kv_bridge.config.settings import load_config
 
     site = None if args.running else Site(Path(tempfile.mkdtemp(prefix="bench-site-")))
     try:

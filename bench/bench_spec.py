@@ -9,7 +9,7 @@ What this machine can show: mlx-cpu is compute-bound here, a forward of n tokens
 (SmolLM2 float32: 125 ms for 1 token, 470 ms for 4), so speculative decoding is slower here per generated token and
 the ms/token ratio printed is this machine's, not a Mac's. What transfers: tokens per verify step and acceptance.
 Each prompt is prefilled once and its KV handed to every run as bridged KV is (a fresh cache built from it), so the
-runs decode from the same state through the decode node's own MLX loop (backends/decode_engine.py).
+runs decode from the same state through the decode node's own MLX loop (backends/decode/engine.py).
 The draft model is a layer-truncated copy of SmolLM2 (26 of 30 layers, built here, untrained): the embedded model
 has no smaller sibling; it shows the mechanism and its counts, not what a trained draft would accept.
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from backends.decode_engine import Job, MLXModel
-from backends.drafters import load_draft, truncated_draft
-from backends.spec_control import SpecController
-from kv_bridge.config_spec import SpeculativeConfig
+from backends.decode.engine import Job, MLXModel
+from backends.decode.speculative.drafters import load_draft, truncated_draft
+from backends.decode.speculative.control import SpecController
+from kv_bridge.config.speculative import SpeculativeConfig
 from kv_bridge.protocol import Sampling
 
 MODEL_DIR = ROOT / "models" / "smollm2-135m"

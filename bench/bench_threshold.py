@@ -77,7 +77,7 @@ def start_local_gateway(stack: Stack, folder: Path) -> tuple[subprocess.Popen, s
     cfg = folder / "config-local.toml"
     cfg.write_text(text)
     log = open(folder / "gateway-local.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "backends.cli", "gateway", "--config", str(cfg)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "backends.cli.main", "gateway", "--config", str(cfg)], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", 120, proc)

@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from kv_bridge import wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver, Transfer
 from kv_bridge.sender import KVSender, _Writer
 from tests.support.stack import free_port

@@ -53,7 +53,7 @@ plutil -lint "$AGENT" >/dev/null
 
 # Metal's GPU wired limit, persistent: iogpu.wired_limit_mb resets to 0 (about 75% of RAM) at every boot, below the
 # models and KV; a LaunchDaemon sets it before anyone logs in. The decode node checks it at start and refuses to run
-# without room (backends/mac_memory.py); `disagg doctor` reports it.
+# without room (backends/decode/mac_memory.py); `disagg doctor` reports it.
 mem_gib=$(( $(sysctl -n hw.memsize) / 1073741824 ))
 limit_mb=$(( (mem_gib - RESERVED_GIB) * 1024 ))
 tmp="$(mktemp)"

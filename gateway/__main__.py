@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kv_bridge.config import ConfigError, load_config
+from kv_bridge.config.settings import load_config
+from kv_bridge.config.source import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

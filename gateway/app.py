@@ -14,7 +14,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kv_bridge.config import AuthConfig, Settings, resolve_model_path
+from kv_bridge.config.auth import AuthConfig
+from kv_bridge.config.models import resolve_model_path
+from kv_bridge.config.settings import Settings
 
 from gateway import auth
 from gateway.api import boundary
@@ -104,7 +106,7 @@ def _open_handlers(cfg: AuthConfig) -> set:
 
 
 def create_app(settings: Settings) -> web.Application:
-    """Build the gateway app for `settings`; raises kv_bridge.config.ConfigError for a bad model folder or an
+    """Build the gateway app for `settings`; raises kv_bridge.config.source.ConfigError for a bad model folder or an
     unreadable auth file."""
     check_parsers(settings.models)
     tokenizers = {m.id: ChatTokenizer.from_folder(resolve_model_path(m)) for m in settings.models}

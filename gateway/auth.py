@@ -13,7 +13,9 @@ import logging
 
 from aiohttp import web
 
-from kv_bridge.config import AuthConfig, Settings, is_loopback
+from kv_bridge.config.auth import AuthConfig
+from kv_bridge.config.settings import Settings
+from kv_bridge.keys import is_loopback
 
 from gateway.errors import APIError
 
@@ -67,7 +69,7 @@ def refusal(problem: str) -> AuthenticationError:
 def api_keys(cfg: AuthConfig) -> APIKeys | None:
     """The client keys to demand, or None when none is configured (the gateway is open).
 
-    Raises kv_bridge.config.ConfigError for an unreadable api_keys_file, so a bad set-up fails at start-up.
+    Raises kv_bridge.config.source.ConfigError for an unreadable api_keys_file, so a bad set-up fails at start-up.
     """
     keys = cfg.client_keys()
     return APIKeys(keys) if keys else None

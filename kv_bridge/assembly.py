@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from kv_bridge import dtypes, wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 
 
 class TransferError(RuntimeError):

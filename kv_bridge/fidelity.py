@@ -4,7 +4,7 @@ that run it for one (prefill node, decode node, model) pair (pure Python: the ga
 Integrity (checksums, tags) proves KV bytes arrived as sent; only values prove they are the right KV. The canary
 has vLLM prefill a fixed, chat-templated prompt through the real connector path (same wire dtype, auth, KV link)
 into the decode node, which compares the bridged cache with its own MLX prefill of the same tokens, layer by layer,
-then decodes a few greedy tokens from each (backends/canary.py, kv_bridge/mlx/fidelity.py).
+then decodes a few greedy tokens from each (backends/decode/canary.py, kv_bridge/mlx/fidelity.py).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def kv_bytes_per_token(folder: str | Path, dtype_bytes: int = 2) -> int:
 def config_kv_dtype(folder: str | Path) -> str:
     """The KV dtype a decode node will hold this model's KV in, as config.json predicts it (torch_dtype, or
     transformers' newer `dtype`): what `disagg config check` budgets with. The loaded model is the authority
-    (backends/decode_engine.py measures it and warns where this differs); unknown -> float32, the larger."""
+    (backends/decode/engine.py measures it and warns where this differs); unknown -> float32, the larger."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
     name = cfg.get("torch_dtype") or cfg.get("dtype")
     return name if name in ("float32", "float16", "bfloat16") else "float32"

@@ -16,7 +16,7 @@ import time
 
 from kv_bridge import dtypes, wire
 from kv_bridge.assembly import BufferPool, ReceivedKV, Transfer, TransferError
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 
 __all__ = ["BufferPool", "KVCapacityError", "KVReceiver", "ReceivedKV", "Transfer", "TransferError"]
 

@@ -86,3 +86,36 @@ def test_every_folder_is_a_package_and_holds_only_tests():
         others = [p.name for p in folder.glob("*.py") if not p.name.startswith("test_")]
         assert set(others) <= {"__init__.py", "conftest.py"}, \
             f"{folder.relative_to(ROOT)}: {others}: shared code goes in tests/support"
+
+
+CODE = [ROOT / p for p in ("gateway", "backends", "kv_bridge")]  # the three packages
+
+
+def prefix_families(names: list[str], at_least: int = 3) -> dict[str, list[str]]:
+    """Module names of one folder that share a prefix before `_` (`decode_node`, `decode_engine`, ...): a folder
+    asking to exist."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        if "_" in n.strip("_"):
+            groups.setdefault(n.split("_")[0], []).append(n)
+    return {p: sorted(ns) for p, ns in groups.items() if len(ns) >= at_least}
+
+
+def test_prefix_families_are_seen():
+    assert prefix_families(["decode_node", "decode_engine", "decode_batch", "sampling"]) == \
+        {"decode": ["decode_batch", "decode_engine", "decode_node"]}
+    assert prefix_families(["node", "engine", "batch", "prefix_cache", "mac_memory"]) == {}
+
+
+def test_no_folder_of_the_code_holds_a_family_of_name_prefixes():
+    for top in CODE:
+        for folder in [top, *(p for p in top.rglob("*") if p.is_dir() and "__pycache__" not in p.parts)]:
+            names = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+            assert prefix_families(names) == {}, f"{folder.relative_to(ROOT)}: make a package of {prefix_families(names)}"
+
+
+def test_every_package_of_backends_and_the_config_says_what_it_is_and_may_import():
+    inits = [*sorted((ROOT / "backends").rglob("__init__.py")), ROOT / "kv_bridge" / "config" / "__init__.py"]
+    for init in inits:
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "import" in doc.lower(), f"{init.relative_to(ROOT)}: its docstring says what the package is and what it may import"

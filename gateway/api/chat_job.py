@@ -10,7 +10,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 from kv_bridge.protocol import Sampling
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest

@@ -12,7 +12,8 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from kv_bridge.config import ModelRoute, Settings
+from kv_bridge.config.models import ModelRoute
+from kv_bridge.config.settings import Settings
 from kv_bridge.protocol import Sampling
 
 from gateway.api import relay

@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kv_bridge.config import AdmissionConfig
+from kv_bridge.config.gateway import AdmissionConfig
 
 from gateway.errors import RateLimited
 

@@ -7,7 +7,7 @@ import logging
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 from kv_bridge.protocol import DoneLine, Fallback, Path, Sampling, TokenLine
 from kv_bridge.stops import StopMatcher
 

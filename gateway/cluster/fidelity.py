@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kv_bridge.config import Settings
+from kv_bridge.config.settings import Settings
 from kv_bridge.fidelity import Verdict, run_canary
 
 from gateway.cluster.nodes import NodePool

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 from kv_bridge.protocol import DoneLine, Fallback, Path, ProtocolError, Sampling, TokenLine
 
 from gateway.errors import InvalidRequest, NodeBusy, NodeUnavailable, UpstreamError

@@ -14,7 +14,8 @@ from typing import Callable, Iterable
 
 import aiohttp
 
-from kv_bridge.config import ModelRoute, NodeConfig
+from kv_bridge.config.models import ModelRoute
+from kv_bridge.config.nodes import NodeConfig
 
 from gateway.metrics import Metrics
 

@@ -22,7 +22,8 @@ from typing import AsyncIterator, Callable
 
 import aiohttp
 
-from kv_bridge.config import ModelRoute, Settings
+from kv_bridge.config.models import ModelRoute
+from kv_bridge.config.settings import Settings
 from kv_bridge.protocol import SEED_SPACE, DoneLine, Fallback, Sampling, TokenLine
 
 from gateway.errors import InvalidRequest, NodeBusy, NodeUnavailable, NoHealthyNode, RateLimited, UpstreamError

@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 from kv_bridge.protocol import Fallback
 
 from gateway.errors import RateLimited

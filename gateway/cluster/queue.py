@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
 
-from kv_bridge.config import QueueConfig
+from kv_bridge.config.gateway import QueueConfig
 
 from gateway.errors import ClientDisconnected, RateLimited, ServerBusy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_bridge.config import RatesConfig
+from kv_bridge.config.gateway import RatesConfig
 
 DISAGGREGATED = "disaggregated"
 LOCAL = "local"

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from kv_bridge.config import ConfigError, ModelRoute, UpstreamConfig
+from kv_bridge.config.models import ModelRoute, UpstreamConfig
+from kv_bridge.config.source import ConfigError
 from kv_bridge.protocol import DoneLine, Path, Sampling, TokenLine
 
 from gateway.errors import UpstreamError

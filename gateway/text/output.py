@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kv_bridge.config import ConfigError, ModelRoute
+from kv_bridge.config.models import ModelRoute
+from kv_bridge.config.source import ConfigError
 from kv_bridge.families import output_family
 
 from gateway.text.reasoning import REASONING_PARSERS, Delta, HarmonyParser, reasoning_parser

@@ -17,7 +17,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kv_bridge.config import ConfigError
+from kv_bridge.config.source import ConfigError
 
 from gateway.errors import InvalidRequest
 

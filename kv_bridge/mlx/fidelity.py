@@ -1,6 +1,6 @@
 """The fidelity canary's MLX side: MLX's own prefill of the canary tokens, the bridged cache compared with it layer by
 layer, and greedy tokens from each. Every step is a generator that yields between pieces of work, so the decode
-node's MLX thread interleaves it with its batch (backends/decode_engine.py, MLXModel.run_task).
+node's MLX thread interleaves it with its batch (backends/decode/engine.py, MLXModel.run_task).
 
 Caches compared as mlx-lm holds them, in temporal order (1, H, held, D): a KVCache holds positions [0, T); a
 RotatingKVCache the last ones (its first `keep` too), the bridged one its window, MLX's own after a chunked prefill

@@ -37,7 +37,7 @@ class WorkerSide:
         self._sender_bytes = int(extra.get("sender_bytes", 1 << 30))
         self._timeouts = (float(extra.get("connect_timeout_s", 5.0)), float(extra.get("send_timeout_s", 10.0)))
         self._wire_option = str(extra.get("wire_dtype", "auto"))
-        # The KV key (derived from the node secret by backends/prefill_node.py, never the secret itself)
+        # The KV key (derived from the node secret by backends/prefill/node.py, never the secret itself)
         key = extra.get("kv_auth_key")
         self._kv_key = bytes.fromhex(key) if key else None
         self._frame_mac = bool(extra.get("kv_frame_mac", True))

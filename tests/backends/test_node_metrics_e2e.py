@@ -93,8 +93,8 @@ def test_decode_metrics_count_where_a_prompt_came_from():
 
     from backends.node_metrics import DecodeMetrics
 
-    from backends.spec_control import SpecController
-    from kv_bridge.config_spec import SpeculativeConfig
+    from backends.decode.speculative.control import SpecController
+    from kv_bridge.config.speculative import SpeculativeConfig
 
     model = SimpleNamespace(batch_size=3, cache_bytes=1000, prefixes=SimpleNamespace(nbytes=500), queued=lambda: 2,
                             speculation=SpecController(SpeculativeConfig()))  # off, as by default

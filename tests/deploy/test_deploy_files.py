@@ -141,7 +141,7 @@ def test_prometheus_config_and_rules_validate():
 
 def test_prometheus_scrapes_every_node_of_the_site():
     """One target per [[nodes]] entry of examples/site.toml at its HTTP address, labelled with its name."""
-    from kv_bridge.config import load_config
+    from kv_bridge.config.settings import load_config
 
     site = load_config(ROOT / "examples" / "site.toml")
     scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
@@ -210,7 +210,7 @@ def test_wired_limit_is_set_at_every_boot():
     assert "DAEMON=/Library/LaunchDaemons/com.disagg.wired-limit.plist" in script
     assert 'sudo launchctl bootstrap system "$DAEMON"' in script
     assert 'limit_mb=$(( (mem_gib - RESERVED_GIB) * 1024 ))' in script and 'RESERVED_GIB="${RESERVED_GIB:-8}"' in script
-    from backends.mac_memory import DAEMON as CHECKED  # the path the decode node's refusal names
+    from backends.decode.mac_memory import DAEMON as CHECKED  # the path the decode node's refusal names
 
     assert f"DAEMON={CHECKED}" in script
 
@@ -230,7 +230,7 @@ def test_decode_log_is_rotated():
 def test_log_file_handler_reopens_after_rotation(tmp_path):
     """DISAGG_LOG_FILE: after newsyslog renames decode.log, the next line lands in a new decode.log."""
     log = tmp_path / "decode.log"
-    code = ("import logging, os, sys; from backends import cli; "
+    code = ("import logging, os, sys; from backends.cli import main as cli; "
             "sys.exit(cli.main(['config', 'check', '/nonexistent.toml']) and "
             "(os.rename(sys.argv[1], sys.argv[1] + '.0'), logging.getLogger('x').warning('after'), 0)[2])")
     r = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, cwd=ROOT, timeout=120,

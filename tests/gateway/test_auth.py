@@ -15,7 +15,10 @@ from aiohttp import web
 
 from backends.common import node_app, node_token
 from tests.support.fakes import MODEL_DIR, MODEL_ID, REPLY, Cluster, chat_body, free_port
-from kv_bridge.config import AuthConfig, ConfigError, NodeConfig, Settings, load_config
+from kv_bridge.config.auth import AuthConfig
+from kv_bridge.config.nodes import NodeConfig
+from kv_bridge.config.settings import Settings, load_config
+from kv_bridge.config.source import ConfigError
 
 KEYS = ("sk-test-one", "sk-test-two")
 SECRET = "node-secret-for-tests-0123456789"
@@ -382,14 +385,14 @@ prefill = ["p"]
 decode = ["d"]
 """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    r = subprocess.run([sys.executable, "-m", "backends.cli", role, "--node", role[0], "--config", str(cfg)],
+    r = subprocess.run([sys.executable, "-m", "backends.cli.main", role, "--node", role[0], "--config", str(cfg)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "no node secret is set" in r.stderr and "insecure_nodes" in r.stderr
 
 
 def test_disagg_up_checks_health_with_the_credentials(empty_config):
-    from backends.up import plan
+    from backends.cli.up import plan
 
     s = Settings(gateway={}, prefill={}, decode={}, kv={}, models=[],
                  auth={"node_secret": SECRET, "api_keys": list(KEYS), "protect_health": True},

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.text.tokenizer import ChatTokenizer
 from kv_bridge import wire
-from kv_bridge.config import AuthConfig
+from kv_bridge.config.auth import AuthConfig
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 pytestmark = pytest.mark.e2e

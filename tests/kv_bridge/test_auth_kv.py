@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kv_bridge import wire
-from kv_bridge.config import AuthConfig
+from kv_bridge.config.auth import AuthConfig
 from kv_bridge.receiver import TransferError
 from kv_bridge.sender import KVSender
 from tests.support.kv_auth import D, H, KEY, L, header, receive

@@ -105,7 +105,7 @@ def test_tolerance_is_the_coarser_dtype_and_unknown_is_refused():
 def test_a_near_tie_flipped_by_rounding_passes_a_changed_distribution_fails():
     """The tiny random gpt_oss of `make site` flips its first greedy token under bf16 + fp8 (its logits are near
     flat) with its KV well within tolerance: the KL decides, not the argmax."""
-    from backends.canary import verdict
+    from backends.decode.canary import verdict
 
     layers = [{"layer": 0, "k": 0.05, "v": 0.04, "tokens": 160}]
     ok = verdict("m", "d", "float32", "float8_e4m3", 160, {"layers": layers, "greedy": "0/8", "kl": 0.004,
@@ -126,7 +126,7 @@ def test_verdict_round_trips_and_says_what_failed():
 
 
 def test_status_table_shows_each_pair_and_marks_what_is_not_verified():
-    from backends.status import render
+    from backends.cli.status import render
 
     ok = Verdict("m", "p0", "d0", "verified", 1.1e-5, 20, "V", 0.01, "float32", "float32", 136, "4/4", 9.0, kl=1e-6)
     bad = Verdict("m", "p0", "d1", "failed", 16.0, 0, "V", 0.01, "float32", "float32", 136, "0/4", 9.0, kl=3.1)

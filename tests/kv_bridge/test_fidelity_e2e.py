@@ -34,7 +34,7 @@ def test_the_session_pair_is_verified_everywhere_an_operator_looks(stack):
     assert metric(stack, "disagg_kv_fidelity_error", prefill="prefill-0", decode="decode-0") == row["error"]
 
     # On demand: `disagg status` has the gateway run the canary again and lists the pair with its figure.
-    out = subprocess.run([sys.executable, "-m", "backends.cli", "status", "--config", str(stack.config), "--json",
+    out = subprocess.run([sys.executable, "-m", "backends.cli.main", "status", "--config", str(stack.config), "--json",
                           "--probe-mib", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     (v,) = json.loads(out.stdout)["fidelity"]

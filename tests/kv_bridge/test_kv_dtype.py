@@ -20,7 +20,7 @@ from aiohttp import web
 
 from tests.support import tiny_models
 from kv_bridge import dtypes, wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 from kv_bridge.sender import KVSender
 from tests.support.stack import free_port
@@ -168,7 +168,7 @@ def converted(tmp_path_factory):
 def test_the_model_decides_the_kv_dtype_not_its_first_parameter(converted):
     """A 4-bit model's first parameter is uint32 (what bridged KV used to be cast to); its KV is its scales' dtype.
     mlx-lm's convert --dtype leaves config.json's torch_dtype as it was, so the loaded model is the authority."""
-    from backends.decode_engine import MLXModel
+    from backends.decode.engine import MLXModel
     from kv_bridge.fingerprint import config_kv_dtype
 
     for name, want in (("float32", "float32"), ("bfloat16", "bfloat16"), ("q4", "bfloat16")):
@@ -201,8 +201,8 @@ def test_decode_node_reserves_bf16_and_answers_as_mlx_alone(converted, name, emp
     """A bf16 model's decode node reserves bf16 bytes (a cap that holds the prompt in bf16 but not in float32
     accepts it), receives MLX's own KV over a float32 wire, and decodes what MLX alone decodes, token for token."""
     from backends.common import node_app
-    from backends.decode_node import DecodeService
-    from kv_bridge.config import Settings
+    from backends.decode.node import DecodeService
+    from kv_bridge.config.settings import Settings
     from kv_bridge.fingerprint import kv_spec
 
     folder, steps = converted[name], 6

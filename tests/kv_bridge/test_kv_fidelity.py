@@ -15,7 +15,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver, TransferError
 from tests.support.e2e import TEXT, mlx_kv

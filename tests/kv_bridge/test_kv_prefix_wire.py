@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kv_bridge import wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver, TransferError
 from tests.support.stack import free_port
 from tests.support.kv_wire import SPEC, header, kv_data, kv_frame, raw_send, send_with_sender

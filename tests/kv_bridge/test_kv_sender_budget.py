@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver, TransferError
 from kv_bridge.sender import KVSender
 from tests.support.stack import free_port

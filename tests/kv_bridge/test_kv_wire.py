@@ -18,7 +18,7 @@ import pytest
 import xxhash
 
 from kv_bridge import wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.vllm.layouts import layout_for
 from kv_bridge.receiver import KVReceiver, TransferError, _Connection
 from kv_bridge.sender import KVSender, sendall_parts

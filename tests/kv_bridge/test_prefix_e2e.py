@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port, in_thread

@@ -1,4 +1,4 @@
-"""The seed site on this machine, as `make site` runs it (examples/site-local.toml, backends/site.py): two prefill
+"""The seed site on this machine, as `make site` runs it (examples/site-local.toml, backends/site/launch.py): two prefill
 machines with one model each, two decode machines with both, auth on, KV through shaped link relays. One site for
 the module; tests that kill a machine or cut a link wait for it to come back before they end.
 
@@ -111,7 +111,7 @@ def test_site_comes_up_within_memory_and_status_sees_it(site):
     rss = resident_bytes(site.proc.pid)
     print(f"site ready after {site.ready_s:.0f}s, {rss / 2**30:.2f} GiB resident")
     assert rss <= 12 * 2**30
-    out = subprocess.run([sys.executable, "-m", "backends.cli", "status", "--config", str(CONFIG), "--json"],
+    out = subprocess.run([sys.executable, "-m", "backends.cli.main", "status", "--config", str(CONFIG), "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stdout + out.stderr

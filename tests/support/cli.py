@@ -17,7 +17,7 @@ MODEL_DIR = ROOT / "models" / "smollm2-135m"
 
 def _disagg() -> list[str]:
     exe = Path(sys.executable).with_name("disagg")  # the console script of the venv running the tests
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "backends.cli"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "backends.cli.main"]
 
 
 def run(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

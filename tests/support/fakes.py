@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from tests.support import oracle
-from kv_bridge.config import Settings
+from kv_bridge.config.settings import Settings
 from kv_bridge.stops import StopMatcher
 
 MODEL_ID = "smollm2:135m"
@@ -128,7 +128,7 @@ class FakeDecodeNode(FakeNode):
         self.disconnects: list[str] = []
         self.running = 0
         self._transfers: dict[str, _Transfer] = {}
-        # The KV fidelity canary (backends/canary.py's routes): the worst relative error this node "measures" on the
+        # The KV fidelity canary (backends/decode/canary.py's routes): the worst relative error this node "measures" on the
         # KV a prefill node delivers; past the float32 tolerance (0.01) the verdict is failed.
         self.fidelity_error = 1e-5
         self.canaries = 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from kv_bridge import wire
-from kv_bridge.config import AuthConfig, KVConfig
+from kv_bridge.config.auth import AuthConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver
 from tests.support.stack import free_port
 

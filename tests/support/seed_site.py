@@ -1,4 +1,4 @@
-"""The seed site on this machine as `make site` starts it (examples/site-local.toml, backends/site.py), its two
+"""The seed site on this machine as `make site` starts it (examples/site-local.toml, backends/site/launch.py), its two
 models and the grading prompts the lab's app sends: test_site_e2e and bench/bench_site.py."""
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ def notebook(cells: int, tag: str) -> str:
 
 
 class Site:
-    """`python -m backends.site` as a user starts it; Ctrl-C (SIGINT) stops it."""
+    """`python -m backends.site.launch` as a user starts it; Ctrl-C (SIGINT) stops it."""
 
     def __init__(self, folder: Path):
-        from kv_bridge.config import load_config
+        from kv_bridge.config.settings import load_config
 
         self.log = folder / "site.out"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "backends.site", "--config", str(CONFIG)], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "backends.site.launch", "--config", str(CONFIG)], cwd=ROOT,
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.t0 = time.monotonic()

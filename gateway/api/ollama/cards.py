@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kv_bridge.config import ModelRoute, resolve_model_path
+from kv_bridge.config.models import ModelRoute, resolve_model_path
 
 _MAX_HEADER_BYTES = 100 << 20  # a safetensors JSON header larger than this is not a model we made
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".npz")

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 from kv_bridge.protocol import Sampling
 
 from gateway.api.protocol import APIModel, MinP, Penalty, RepetitionPenalty, Temperature

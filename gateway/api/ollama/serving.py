@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 from aiohttp import web
 
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 
 from gateway.api.ollama.cards import CARDS, ModelCard
 from gateway.api.ollama.framing import Clock, OllamaFraming, chunk

@@ -14,7 +14,7 @@ from gateway.api.protocol import parse
 from gateway.api.serving import GatewayState
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from gateway.text.output import OutputParser
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 
 # Ollama's documented defaults. Its repeat_penalty default (1.1) is not applied unless asked for: it would make
 # greedy answers differ from the OpenAI path and from vLLM's and MLX's own generation.

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 
 from gateway.api.protocol import parse, read_body
 from gateway.api.serving import STATE, GatewayState

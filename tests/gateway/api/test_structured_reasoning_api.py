@@ -1,7 +1,7 @@
 """Structured output on a reasoning model through the real gateway (issue 22, item 5): Ollama `format` and OpenAI
 `response_format` reach the decode node gated after harmony's final-channel header, so gpt-oss may reason first;
 the official clients read the reasoning (streamed first) apart from the JSON answer. The fake decode node streams a
-real harmony token sequence; the decode node's masking itself is tested in tests/backends/test_grammar_reasoning.py."""
+real harmony token sequence; the decode node's masking itself is tested in tests/backends/decode/test_grammar_reasoning.py."""
 
 from __future__ import annotations
 

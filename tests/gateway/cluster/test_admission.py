@@ -10,7 +10,7 @@ import pytest
 
 from gateway.cluster.admission import Admission, NodeAdmission
 from gateway.errors import RateLimited
-from kv_bridge.config import AdmissionConfig
+from kv_bridge.config.gateway import AdmissionConfig
 
 
 def gate(inflight: int = 1000, queued: int = 10_000, rate: float = 100.0) -> NodeAdmission:

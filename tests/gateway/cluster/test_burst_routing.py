@@ -14,7 +14,8 @@ import pytest
 from tests.support.fakes import LONG_TEXT, MODEL_ID, Cluster
 from gateway.cluster.rates import Rate
 from kv_bridge import wire
-from kv_bridge.config import KVConfig, RatesConfig
+from kv_bridge.config.gateway import RatesConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import Transfer, TransferError
 
 SPEC = {"fingerprint": "abc", "num_layers": 2, "num_kv_heads": 1, "head_dim": 4}

@@ -171,7 +171,7 @@ async def test_upstream_key_comes_from_the_named_environment_variable(make_clust
 
 
 async def test_unset_api_key_variable_fails_at_start_up(empty_config):
-    from kv_bridge.config import ConfigError
+    from kv_bridge.config.source import ConfigError
 
     c = Cluster(upstream=True, route={"upstream": {"api_key_env": "NO_SUCH_KEY_VAR"}})
     with pytest.raises(ConfigError, match="NO_SUCH_KEY_VAR"):

@@ -41,7 +41,7 @@ def test_decode_node_killed_mid_stream_then_restarted(stack):
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
     assert "error" in events[-1], events[-1]
-    r = subprocess.run([sys.executable, "-m", "backends.cli", "status", "--config", str(stack.config), "--probe-mib",
+    r = subprocess.run([sys.executable, "-m", "backends.cli.main", "status", "--config", str(stack.config), "--probe-mib",
                         "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and any(line.startswith("!!") and "decode-0" in line and "DOWN" in line
                                      for line in r.stdout.splitlines()), r.stdout + r.stderr

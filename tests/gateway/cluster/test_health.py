@@ -12,7 +12,7 @@ from aiohttp import web
 from tests.support.fakes import free_port
 from gateway.metrics import Metrics
 from gateway.cluster.nodes import HEALTH_MISSES, NodePool
-from kv_bridge.config import NodeConfig
+from kv_bridge.config.nodes import NodeConfig
 
 
 class SlowHealth:

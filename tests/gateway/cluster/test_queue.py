@@ -13,7 +13,7 @@ import pytest
 from tests.support.fakes import MODEL_ID, Cluster, chat_body
 from gateway.cluster.queue import RequestQueue, Waiting
 from gateway.errors import ClientDisconnected, RateLimited, ServerBusy
-from kv_bridge.config import QueueConfig
+from kv_bridge.config.gateway import QueueConfig
 
 
 class Slots:
@@ -237,7 +237,7 @@ async def test_a_client_that_disconnects_leaves_the_gateways_queue(one_slot, str
 
 async def test_disagg_status_shows_the_gateways_queue(one_slot):
     """`disagg status` reads the queue from the gateway's /health: who waits now, and the waits so far."""
-    from backends import status
+    from backends.cli import status
 
     c = one_slot
     held, gate = await _hold_one(c)

@@ -32,7 +32,7 @@ def narrow_gateway(stack, tmp_path_factory):
     config = folder / "config.toml"
     config.write_text(text)
     with open(folder / "gateway.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "backends.cli", "gateway", "--config", str(config)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "backends.cli.main", "gateway", "--config", str(config)], cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **stack.env})
     try:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from gateway.cluster.rates import DISAGGREGATED, INGEST_TOKENS_PER_S, LOCAL, Rate, Rates, choose_path
-from kv_bridge.config import RatesConfig
+from kv_bridge.config.gateway import RatesConfig
 
 
 def _workload(rng: random.Random, rate: float, n: int, overhead_s: float = 0.02):

@@ -5,7 +5,7 @@ SmolLM2 prompt went local on mac-0 at a rate learned from gpt-oss:tiny, ~3 minut
 from __future__ import annotations
 
 from gateway.cluster.rates import DISAGGREGATED, LOCAL, Rates
-from kv_bridge.config import RatesConfig
+from kv_bridge.config.gateway import RatesConfig
 
 SMOL, TINY = "smollm2:135m", "gpt-oss:tiny"
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.fakes import LONG_TEXT, MODEL_ID, Cluster, chat_body
 from gateway.cluster.nodes import PrefixAffinity
-from kv_bridge.config import ModelRoute
+from kv_bridge.config.models import ModelRoute
 from tests.support import ROOT
 
 TURN_1 = [{"role": "user", "content": LONG_TEXT}]  # about 70 prompt tokens: one whole 64-token block

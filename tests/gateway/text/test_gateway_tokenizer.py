@@ -74,7 +74,7 @@ def test_template_from_tokenizer_config(tmp_path, chat_tok):
     assert ChatTokenizer.from_folder(tmp_path).encode_chat(msgs) == chat_tok.encode_chat(msgs)
 
 def test_missing_files_fail_with_fix(tmp_path):
-    from kv_bridge.config import ConfigError
+    from kv_bridge.config.source import ConfigError
 
     with pytest.raises(ConfigError, match="tokenizer.json"):
         ChatTokenizer.from_folder(tmp_path)

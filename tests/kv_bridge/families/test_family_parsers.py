@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_bridge.config import ConfigError
+from kv_bridge.config.source import ConfigError
 from kv_bridge.families import FAMILIES, OUTPUT_ONLY, family_for, output_family
 
 from gateway.app import create_app
@@ -49,7 +49,7 @@ def test_output_only_families_carry_no_kv():
                                                 ("tool_parser", "mistral", "harmony, hermes, qwen3_coder")])
 def test_unknown_parser_name_fails_at_start_up(field, name, choices, tmp_path: Path):
     """Checked against the registries themselves: the gateway refuses to build, and `disagg config check` says why."""
-    from backends.config_check import check
+    from backends.cli.config_check import check
 
     settings = _settings({field: name})
     msg = f"model 'smollm2:135m': {field} '{name}' is not a known parser; set it to one of {choices} or \"none\""

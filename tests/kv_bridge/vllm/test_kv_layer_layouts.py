@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.worker.utils import AttentionGroup
 
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.fingerprint import kv_spec
 from kv_bridge.receiver import KVReceiver
 from kv_bridge.vllm.layouts import layout_for

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kv_bridge import wire
-from kv_bridge.config import KVConfig
+from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver, TransferError
 from kv_bridge.vllm.checks import rank_heads
 from kv_bridge.vllm.extract import Extractor

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from backends.grammar import GrammarCompiler, GrammarSpec
+from backends.decode.grammar import GrammarCompiler, GrammarSpec
 from tests.support.fakes import MODEL_ID
 from gateway.text.toolcalls.forced import allowed_tools, forced_call_grammar
 from tests.support.toolcalls import ARGS, MESSAGES, QWEN_CALL, TOOLS, tool_cluster

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from backends.grammar import GrammarCompiler, GrammarSpec
+from backends.decode.grammar import GrammarCompiler, GrammarSpec
 from gateway.text.toolcalls import tool_parser
 from gateway.text.toolcalls.forced import forced_call_grammar
 from tests.support.tiny_models import write_family_tokenizer

@@ -1,0 +1,158 @@
+"""The decode node's side of the KV fidelity canary (kv_bridge/fidelity.py has the contract).
+
+POST /v1/fidelity/expect {model}: renders the canary prompt with the model's chat template, registers its transfer
+(prompt minus its last token, as a request's) and answers {transfer_id, token_ids, kv_target} for the caller to hand
+a prefill node's /v1/prefill. GET /v1/fidelity/{tid}: waits for that KV, then the model's MLX thread prefills the
+same tokens itself (in chunks, between batch steps: serving goes on), compares the two caches layer by layer and
+decodes a few greedy tokens from each; answers the verdict. A failure is logged once, naming layer, tensor and error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from backends.common import NodeError, bad_request, json_body
+from kv_bridge.fidelity import Verdict, kl_tolerance, tolerance
+from kv_bridge.receiver import KVCapacityError, TransferError
+
+log = logging.getLogger("backends.decode.canary")
+CANARY_PREFIX = "canary-"
+# Plain, varied prose (no repetition a model could shortcut), then a question whose answer is in it.
+_SENTENCES = [
+    "The river town of Alder Bend kept its records in a stone hall beside the mill.",
+    "Every spring the clerks counted the boats, the sheep, the looms and the children born that winter.",
+    "In the year of the long flood the count was taken twice, once before the water rose and once after.",
+    "The second count found forty-one boats where the first had found thirty-seven.",
+    "Nobody could explain the four extra boats until a fisherman admitted he had built them from a fallen barn.",
+    "The clerks wrote his name, Tobin Marsh, in the margin of the ledger with a small drawing of a hammer.",
+    "Years later a teacher used the ledger to show her pupils how a town remembers what it owns.",
+    "She asked them to add the columns by hand and to check each total against the clerk's own sum.",
+]
+QUESTION = "Who built the four extra boats, and from what? Answer in one sentence."
+
+
+def canary_ids(m, want: int) -> list[int]:
+    """The canary prompt: prose grown to at least `want` tokens, chat-templated as a request is (MLX's tokenizer)."""
+    tok, text, i = m.tokenizer, "", 0
+    while True:
+        text += (" " if text else "") + _SENTENCES[i % len(_SENTENCES)]
+        i += 1
+        ids = _render(tok, f"{text}\n\n{QUESTION}")
+        if len(ids) >= want:
+            return ids
+
+
+def _render(tok, content: str) -> list[int]:
+    messages = [{"role": "user", "content": content}]
+    if getattr(tok, "chat_template", None):
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return list(tok.encode(content))
+
+
+def canary_length(m, canary_tokens: int) -> int:
+    """At least `canary_tokens`, and past the model's sliding window by 32 so the window's rotation is checked."""
+    from kv_bridge.mlx.cache import layer_specs
+
+    windows = [s.window for s in layer_specs(m.model) if s.window is not None]
+    return max([canary_tokens] + [w + 32 for w in windows])
+
+
+def run(m, ids: list[int], kv, greedy_tokens: int):
+    """MLX thread, one step at a time (MLXModel.run_task): the canary's comparison and greedy tokens -> dict."""
+    from kv_bridge.mlx import fidelity
+    from kv_bridge.mlx.cache import build_prompt_cache, quantize
+
+    t0 = time.perf_counter()
+    try:
+        bridged = build_prompt_cache(m.model, kv.keys, kv.values, m.dtype)
+    finally:
+        kv.release()
+    reference = yield from fidelity.prefill(m.model, ids[:-1])
+    layers = fidelity.compare(bridged, reference)
+    yield
+    quantize(bridged, m.kv_bits, m.kv_group_size)
+    quantize(reference, m.kv_bits, m.kv_group_size)
+    steps = yield from fidelity.greedy(m.model, bridged, reference, ids[-1], greedy_tokens)
+    return {"layers": layers, "greedy": f"{steps['agree']}/{steps['steps']}", "kl": steps["kl"],
+            "seconds": time.perf_counter() - t0}
+
+
+def verdict(model: str, node: str, kv_dtype: str, wire: str, tokens: int, out: dict) -> Verdict:
+    """The verdict of a comparison: every layer's KV within the dtypes' tolerance, and the next-token distributions
+    from the bridged cache within theirs of MLX's own (KL; a wrong KV decodes another text, a right one at most flips
+    a near tie, which a random test model has everywhere)."""
+    tol, kl_tol = tolerance(wire, kv_dtype), kl_tolerance(wire, kv_dtype)
+    worst = max(out["layers"], key=lambda r: max(r["k"], r["v"]))
+    tensor = "K" if worst["k"] >= worst["v"] else "V"
+    err = max(worst["k"], worst["v"])
+    kv_ok, kl_ok = err <= tol, out["kl"] <= kl_tol
+    msg = "" if not kv_ok or kl_ok else f"next-token KL {out['kl']:.3g} over {kl_tol:g}"
+    return Verdict(model, "", node, "verified" if kv_ok and kl_ok else "failed", err, worst["layer"], tensor, tol,
+                   wire, kv_dtype, tokens, out["greedy"], out["seconds"], msg, out["layers"], out["kl"])
+
+
+def register(app: web.Application, svc) -> None:
+    """Canary routes on a decode node; `svc` is the DecodeService (models, receiver, settings, node)."""
+    pending: dict[str, tuple] = {}  # transfer id -> (model, canary ids)
+    lengths: dict[str, int] = {}
+
+    def _drop(tid: str) -> None:
+        if pending.pop(tid, None) is not None:
+            svc.receiver.forget(tid)
+
+    async def expect(request: web.Request) -> web.Response:
+        body = await json_body(request)
+        m = svc.models.get(body.get("model"))
+        if m is None:
+            raise NodeError(404, f"model {body.get('model')!r} is not served here", "model_not_found")
+        if m.failure is not None:
+            raise NodeError(503, m.failure, "engine_dead")
+        cfg = svc.settings.fidelity
+        want = lengths.setdefault(m.model_id, canary_length(m, cfg.canary_tokens))
+        ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, want)
+        tid = CANARY_PREFIX + uuid.uuid4().hex
+        try:
+            svc.receiver.expect(tid, len(ids) - 1, m.spec, 0, m.kv_dtype)  # held as a request's is
+        except KVCapacityError as e:
+            raise NodeError(429, str(e), "kv_capacity", {"Retry-After": "1"}) from None
+        pending[tid] = (m, ids)
+        # A caller that never asks for the result must not leave the reservation behind.
+        asyncio.get_running_loop().call_later(cfg.timeout_s + 60, _drop, tid)
+        return web.json_response({"transfer_id": tid, "token_ids": ids[:-1], "kv_target": svc.node.kv_target})
+
+    async def result(request: web.Request) -> web.Response:
+        tid = request.match_info["tid"]
+        entry, t = pending.pop(tid, None), svc.receiver.transfers.get(tid)
+        if entry is None or t is None:
+            raise NodeError(404, f"no canary transfer {tid!r}", "not_found")
+        m, ids = entry
+        try:
+            timeout = float(request.query.get("timeout", svc.settings.fidelity.timeout_s))
+        except ValueError:
+            raise bad_request("timeout must be a number of seconds") from None
+        try:
+            kv = await t.result(timeout)
+        except TransferError as e:
+            return web.json_response(Verdict(m.model_id, "", svc.node.name, "error",
+                                             message=f"KV did not arrive: {e}").to_json())
+        finally:
+            svc.receiver.forget(tid)
+        wire = kv.wire_dtype
+        try:
+            out = await asyncio.wrap_future(m.run_task(lambda: run(m, ids, kv, svc.settings.fidelity.greedy_tokens)))
+        except Exception as e:  # the comparison itself broke (logged by the MLX loop): the canary did not run
+            return web.json_response(Verdict(m.model_id, "", svc.node.name, "error",
+                                             message=f"comparison failed: {type(e).__name__}: {e}").to_json())
+        v = verdict(m.model_id, svc.node.name, m.kv_dtype, wire, len(ids) - 1, out)
+        log.info(
+            "KV fidelity %s for %s: worst %s layer %d rel. error %.3g (tolerance %g; wire %s, KV %s; greedy %s)",
+            v.state, m.model_id, v.tensor, v.layer, v.error, v.tolerance, wire, v.kv_dtype, v.greedy)
+        return web.json_response(v.to_json())
+
+    app.router.add_post("/v1/fidelity/expect", expect)
+    app.router.add_get("/v1/fidelity/{tid}", result)

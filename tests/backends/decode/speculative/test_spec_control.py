@@ -1,0 +1,151 @@
+"""Speculative decoding's parts that need no decode loop: the accept rule's distribution over real SmolLM2 logits
+(fixed seed), prompt lookup's index, the controller turning drafting down, off and back on, the config's checks,
+and the node's /metrics for it."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+from pydantic import ValidationError
+
+from backends.decode.speculative.drafters import PromptLookup
+from backends.node_metrics import DecodeMetrics
+from backends.decode.speculative.control import SpecController, best_draft, expected_tokens, speedup
+from backends.decode.speculative.step import accept_drafts
+from tests.support.fakes import sample_value
+from kv_bridge.config.models import ModelRoute
+from kv_bridge.config.speculative import SpeculativeConfig
+from kv_bridge.protocol import Sampling
+
+
+def test_accept_rule_keeps_the_target_distribution(mlx_ref):
+    """The accept rule over real verify rows, sampled 4000 times (fixed seed): a drafted token is kept as often as
+    the target samples it, and when refused the emitted token follows the target with that token removed."""
+    import mlx.core as mx
+    import numpy as np
+    from backends.decode.sampling import make_sampling
+
+    model, tok = mlx_ref
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
+                                  add_generation_prompt=True)
+    logits = model(mx.array([ids]))[0, -2:]  # rows for [y, d], d the prompt's real last token
+    p0 = np.array(mx.softmax(logits[0].astype(mx.float32)))
+    d = int(np.argsort(p0)[-2])  # the second likeliest token: kept and refused alike, often
+    sampler, _ = make_sampling(Sampling.from_json({"temperature": 1.0}), [], logits.shape[-1])
+    mx.random.seed(0)
+    firsts, kept, n = [], 0, 4000
+
+    def pick(row):
+        t = int(sampler(row - mx.logsumexp(row, axis=-1, keepdims=True)).item())
+        emitted.append(t)
+        return t, False
+    for _ in range(n):
+        emitted = []
+        k = accept_drafts(logits, [d], pick)
+        assert len(emitted) == k + 1 and (k == 1) == (emitted[0] == d)
+        kept += k
+        firsts.append(emitted[0])
+    sd = (p0[d] * (1 - p0[d]) / n) ** 0.5
+    assert abs(kept / n - p0[d]) < 4 * sd
+    # Refused: the emitted token's distribution is p0 without d; chi-square over the likeliest tokens + the rest.
+    refused = np.array([t for t in firsts if t != d])
+    q = p0.copy()
+    q[d] = 0
+    q /= q.sum()
+    top = [t for t in np.argsort(q)[::-1][:8] if q[t] * len(refused) >= 10]
+    observed = [np.sum(refused == t) for t in top]
+    expected = [q[t] * len(refused) for t in top]
+    observed.append(len(refused) - sum(observed))
+    expected.append(len(refused) - sum(expected))
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    assert chi2 < 26.1, (chi2, observed, expected)  # p = 0.001 at <= 8 degrees of freedom
+
+
+def test_prompt_lookup_index():
+    seq = [1, 2, 3, 4, 9, 1, 2, 3]
+    pl = PromptLookup(seq, 2, 3)
+    assert pl.draft(2) == [4, 9]
+    seq.extend([7, 7])  # no earlier [3, 7, 7] or [7, 7]
+    assert pl.draft(3) == []
+    seq.extend([1, 2])  # [7, 1, 2] unseen; [1, 2] last seen at 5 -> 3, 7, 7
+    assert pl.draft(3) == [3, 7, 7]
+
+
+def test_expected_tokens_and_speedup():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert speedup(0.5, 2, 0.1) == pytest.approx(1.75 / 1.2)
+    assert speedup(0.9, 4, 1.0) < 1.0  # mlx-cpu here: verifying k tokens costs k forwards, never pays
+
+
+def test_best_draft_follows_acceptance_and_cost():
+    mac = SpeculativeConfig(method="prompt_lookup", num_draft=6, verify_cost=0.1)
+    assert best_draft(0.9, mac) == 6
+    assert 0 < best_draft(0.4, mac) < best_draft(0.7, mac)
+    assert best_draft(0.05, mac) == 0
+    assert best_draft(0.9, mac.model_copy(update={"verify_cost": 1.0})) == 0
+
+
+def test_controller_turns_drafting_off_and_probes_back_on():
+    ctl = SpecController(SpeculativeConfig(method="prompt_lookup", num_draft=4, probe_every=3, ewma_alpha=0.5))
+    start = ctl.draft_len()
+    assert start > 0
+    offs = 0
+    while ctl.k > 0:  # nothing kept: down, then off
+        ctl.record(ctl.draft_len(), 0)
+        offs += 1
+        assert offs < 10
+    assert ctl.draft_len() == 0
+    for _ in range(3):  # plain steps while off
+        ctl.record(0, 0)
+    assert ctl.draft_len() == 4  # a probe
+    ctl.record(4, 4)
+    assert ctl.k > 0  # the text repeats its prompt again: back on
+    s = ctl.stats
+    assert (s.verify_steps, s.plain_steps, s.accepted) == (offs + 1, 3, 4)
+
+
+def test_fixed_draft_length_when_not_adaptive():
+    ctl = SpecController(SpeculativeConfig(method="prompt_lookup", num_draft=5, adaptive=False))
+    for _ in range(10):
+        ctl.record(5, 0)
+    assert ctl.draft_len() == 5
+
+
+def test_config_checks():
+    assert ModelRoute(id="m", path="p", decode=["d"]).speculative.method == "off"
+    with pytest.raises(ValidationError, match="draft_path"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValidationError, match="ngram_min"):
+        SpeculativeConfig(method="prompt_lookup", ngram_min=5, ngram_max=3)
+    r = ModelRoute(id="m", path="p", decode=["d"], speculative={"method": "prompt_lookup", "num_draft": 6})
+    assert r.speculative.num_draft == 6
+
+
+class _Model:
+    """What the decode metrics read from an MLXModel (backends/node_metrics.py _ModelState)."""
+
+    def __init__(self, speculation):
+        self.speculation, self.batch_size, self.cache_bytes = speculation, 1, 0
+        self.prefixes = type("P", (), {"nbytes": 0})()
+
+    def queued(self) -> int:
+        return 0
+
+
+def test_metrics_show_drafted_accepted_and_the_controller():
+    on = SpecController(SpeculativeConfig(method="prompt_lookup", num_draft=4, adaptive=False))
+    on.record(4, 3)
+    on.record(0, 0)
+    on.stats.ran("speculative")
+    svc = type("S", (), {"models": {"a": _Model(on), "b": _Model(SpecController(SpeculativeConfig()))},
+                         "running": 0, "receiver": type("R", (), {"transfers": {}, "inflight_bytes": 0})()})()
+    text = generate_latest(DecodeMetrics(svc).registry).decode()
+    assert sample_value(text, "disagg_decode_spec_drafted_tokens_total", model="a") == 4
+    assert sample_value(text, "disagg_decode_spec_accepted_tokens_total", model="a") == 3
+    assert sample_value(text, "disagg_decode_spec_steps_total", model="a", kind="verify") == 1
+    assert sample_value(text, "disagg_decode_spec_steps_total", model="a", kind="plain") == 1
+    assert sample_value(text, "disagg_decode_spec_generations_total", model="a", path="speculative") == 1
+    assert sample_value(text, "disagg_decode_spec_num_draft", model="a") == 4
+    assert sample_value(text, "disagg_decode_spec_acceptance", model="a") == pytest.approx(0.5 * 0.8 + 0.75 * 0.2)
+    assert sample_value(text, "disagg_decode_spec_drafted_tokens_total", model="b") is None  # off: not shown
