@@ -15,6 +15,7 @@ import uuid
 from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body, node_app, node_token, open_paths, run_app
+from backends.host_cpu import cpu_prefill_dtype
 from backends.node_metrics import prefill_metrics_route
 from kv_bridge.config.models import ModelRoute, resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
@@ -31,6 +32,7 @@ def engine_args(settings: Settings, route: ModelRoute):
     from kv_bridge.families import vllm_hf_overrides
 
     path = _path(route)
+    warn_slow_cpu_dtype(settings.prefill.dtype)
     return AsyncEngineArgs(
         model=str(path),
         hf_overrides=vllm_hf_overrides(path),  # e.g. gpt-oss yarn: compute the rope mlx-lm computes
@@ -64,6 +66,15 @@ def enforce_eager(settings: Settings) -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def warn_slow_cpu_dtype(dtype: str) -> None:
+    """bf16 on a CPU host without native bf16 runs, slowly: say so once at start, with the fix."""
+    from vllm.platforms import current_platform
+
+    _, why = cpu_prefill_dtype(dtype)
+    if current_platform.is_cpu() and why:
+        log.warning("[prefill] dtype %s: %s; set [prefill] dtype = \"float32\" on this host", dtype, why)
 
 
 def connector_config(settings: Settings) -> dict:

@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 from backends.cli import up
+from backends.host_cpu import cpu_prefill_dtype
 from kv_bridge.config.settings import Settings, load_config
 from kv_bridge.config.source import ConfigError
 
@@ -73,6 +74,21 @@ def start(child: up.Child, config_path: Path, log_dir: Path) -> None:
                                       start_new_session=True, preexec_fn=up._death_signal_hook())
 
 
+def rehearsal_dtype(settings: Settings) -> Settings:
+    """The Sparks' bf16 rehearsed on a CPU without native bf16 would prefill at ~20 tokens/s: run float32 there (every
+    prefill role, through DISAGG_PREFILL__DTYPE, which the roles read over the site file) and say so. An explicit
+    DISAGG_PREFILL__DTYPE is kept."""
+    if "DISAGG_PREFILL__DTYPE" in os.environ:
+        return settings
+    dtype, why = cpu_prefill_dtype(settings.prefill.dtype)
+    if why is None:
+        return settings
+    print(f"disagg site: prefill dtype {dtype}, not {settings.prefill.dtype}: {why}. Set DISAGG_PREFILL__DTYPE="
+          f"{settings.prefill.dtype} to run it anyway", flush=True)
+    os.environ["DISAGG_PREFILL__DTYPE"] = dtype
+    return settings.model_copy(update={"prefill": settings.prefill.model_copy(update={"dtype": dtype})})
+
+
 def run(config_path: str | os.PathLike = DEFAULT_CONFIG, *, ready_timeout_s: float = up.READY_TIMEOUT_S) -> int:
     config_path = Path(config_path).resolve()
     ensure_credentials(config_path)
@@ -86,6 +102,7 @@ def run(config_path: str | os.PathLike = DEFAULT_CONFIG, *, ready_timeout_s: flo
     # submissions took 67.8 s instead of 43.9 (`disagg bench grading --concurrency 8`, docs/site.md). MLX's decode
     # speed is unchanged by it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    settings = rehearsal_dtype(settings)
     children = up.plan(settings)
     children[-1:-1] = link_children(settings)  # before the gateway: stop_all stops the gateway first
     return up.up(settings, config_path, ready_timeout_s=ready_timeout_s, children=children, start=start,

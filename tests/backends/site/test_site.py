@@ -121,3 +121,20 @@ async def test_rate_control_refuses_nonsense(relay):
     link, _, client = relay
     assert (await client.post("/rate?bytes_per_s=-1")).status == 400
     assert (await client.post("/rate?bytes_per_s=5e6")).status == 200 and link.pacer.rate == 5e6
+
+
+def test_the_rehearsal_prefills_float32_where_the_cpu_lacks_bf16(monkeypatch, capsys):
+    """site-local.toml asks bf16 as the lab's checkpoints are; on a CPU without native bf16 (AVX2 only) every prefill
+    role is told float32 through the environment the roles inherit, and the site says why; an explicit choice stays."""
+    settings = _site_settings()
+    assert settings.prefill.dtype == "bfloat16"
+    monkeypatch.delenv("DISAGG_PREFILL__DTYPE", raising=False)
+    monkeypatch.setenv("DISAGG_CPU_BF16", "1")
+    assert site.rehearsal_dtype(settings).prefill.dtype == "bfloat16" and "DISAGG_PREFILL__DTYPE" not in site.os.environ
+    monkeypatch.setenv("DISAGG_CPU_BF16", "0")
+    got = site.rehearsal_dtype(settings)
+    assert got.prefill.dtype == "float32" and site.os.environ["DISAGG_PREFILL__DTYPE"] == "float32"
+    assert "no native bf16" in capsys.readouterr().out
+    assert load_config(CONFIG).prefill.dtype == "float32"  # what each role reads at start
+    monkeypatch.setenv("DISAGG_PREFILL__DTYPE", "bfloat16")
+    assert site.rehearsal_dtype(load_config(CONFIG)).prefill.dtype == "bfloat16"
