@@ -61,6 +61,10 @@ class FakeNode:
     def __init__(self, name: str, model_id: str = MODEL_ID) -> None:
         self.name, self.model_id = name, model_id
         self.down = False  # /health (and work) answer 503 "loading"
+        # What /health says of who answers (backends/common.py): a new boot_id is a restarted process, a new kv_digest
+        # a changed KV configuration; None leaves the field out (a node from before they existed).
+        self.boot_id: str | None = uuid.uuid4().hex
+        self.kv_digest: str | None = "kv0"
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -86,8 +90,12 @@ class FakeNode:
     async def _health(self, request: web.Request) -> web.Response:
         if self.down:
             return web.json_response({"status": "loading", "role": self.role}, status=503)
-        return web.json_response({"status": "ok", "role": self.role, "models": [self.model_id],
-                                  "fingerprint": {self.model_id: "00"}})
+        body = {"status": "ok", "role": self.role, "models": [self.model_id], "fingerprint": {self.model_id: "00"}}
+        if self.boot_id is not None:
+            body["boot_id"] = self.boot_id
+        if self.kv_digest is not None:
+            body["kv_identity"] = {self.model_id: {"digest": self.kv_digest, "dtype": "float32"}}
+        return web.json_response(body)
 
 
 @dataclass
