@@ -235,14 +235,16 @@ class Fidelity:
         if v.ok:
             st.failures, st.retry_at = 0, 0.0
             again = " again (it had failed)" if was is not None and not was.ok else ""
-            log.info("KV fidelity of %s on %s -> %s verified%s: %s, %.1fs", *pair, again, v.summary(), v.seconds)
+            log.info("KV fidelity of %s on %s -> %s verified%s: %s, %.1fs", *pair, again,
+                     v.summary().removeprefix("verified: "), v.seconds)
             return
         st.failures += 1
         wait = _backoff(self.cfg.failed_retry_s, st.failures, self.cfg.retry_max_s)
         st.retry_at = now + wait
         level = logging.WARNING if was is None or was.ok else logging.INFO  # once per fall, not per retry
+        cause = v.summary().removeprefix("failed: ").removeprefix("worst ")
         log.log(level, "KV fidelity of %s on %s -> %s FAILED: %s (wire %s, KV %s); %s; checked again in %s", *pair,
-                v.summary().removeprefix("failed: ").removeprefix("worst "), v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
+                cause, v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
 
     def _consequence(self, pair: Pair) -> str:
         ov = self.cfg.override_for(*pair)
