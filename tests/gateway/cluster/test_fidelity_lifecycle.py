@@ -216,3 +216,29 @@ def test_an_override_must_name_known_nodes_and_say_why(empty_config):
     s = make_settings([d], [p], fidelity={"override": [{"decode": "decode-0", "reason": "ok"}]})
     assert s.fidelity.override_for(MODEL_ID, "prefill-0", "decode-0").reason == "ok"
     assert s.fidelity.override_for(MODEL_ID, "prefill-0", "decode-1") is None
+
+
+async def test_a_figure_measured_across_a_node_change_is_not_taken(cluster, caplog):
+    """The decode node restarts while a canary runs: that canary's figure is the old process's; the pair is measured
+    again before it carries KV."""
+    caplog.set_level(logging.INFO, "gateway.cluster.fidelity")
+    await cluster.wait_fidelity()
+    cluster.decode.canary_hold = hold = asyncio.Event()
+    cluster.decode.kv_digest = "kv1"
+
+    async def checking() -> bool:
+        return (await _row(cluster))["state"] == "checking"
+    await cluster.wait_for(checking)
+    cluster.decode.boot_id = "another-process"
+
+    async def seen() -> bool:
+        async with cluster.http.get(cluster.url + "/health") as r:
+            return {n["name"]: n.get("boot_id") for n in (await r.json())["nodes"]}["decode-0"] == "another-process"
+    await cluster.wait_for(seen)
+    hold.set()
+
+    async def verified() -> bool:
+        return (await _row(cluster))["state"] == "verified"
+    await cluster.wait_for(verified)
+    assert cluster.decode.canaries == 3  # the first, the one across the restart (not taken), the new process's
+    assert any("a node changed while the canary ran" in m for m in _messages(caplog, logging.INFO))
