@@ -39,7 +39,9 @@ class _PairState:
     failures: int = 0  # failed verdicts in a row (their backoff)
     retry_at: float = 0.0  # monotonic: no try before this (after an error or a failure)
     task: asyncio.Task | None = None
+    fields: dict | None = None  # node -> its kv_identity fields when the verdict was measured (to say what changed)
     seen: Identity | None = None  # the nodes as the last tick saw them (to log a change once)
+    seen_fields: dict | None = None
 
 
 def _backoff(base: float, n: int, cap: float) -> float:
@@ -73,6 +75,9 @@ class Fidelity:
     def _identity(self, pair: Pair) -> Identity:
         model, p, d = pair
         return tuple(self.pool.nodes[n].identity(model) for n in (p, d))
+
+    def _fields(self, pair: Pair) -> dict:
+        return {n: dict(self.pool.nodes[n].kv_identity.get(pair[0]) or {}) for n in pair[1:]}
 
     def _current(self, pair: Pair) -> Verdict | None:
         """The pair's verdict if it was measured on the nodes as they are now."""
@@ -135,7 +140,7 @@ class Fidelity:
             nxt = self._next_check(pair, now)
             row["next_check_s"] = None if nxt is None or not self.cfg.enabled else round(nxt, 1)
             if st.verdict is not None and v is None:
-                row["reverify"] = self._changes(st.identity, self._identity(pair), pair)
+                row["reverify"] = self._changes(st.identity, self._identity(pair), pair, st.fields)
             if v is not None:
                 row.update({k: x for k, x in v.to_json().items() if k not in ("layers", "state")})
                 row["summary"] = v.summary() + self._stale_note(pair, row)
@@ -162,19 +167,21 @@ class Fidelity:
 
     # ---- running the canary ----
 
-    def _changes(self, was: Identity | None, now: Identity, pair: Pair) -> str:
-        """What differs between two identities of a pair's nodes, in words."""
+    def _changes(self, was: Identity | None, now: Identity, pair: Pair, fields: dict | None = None) -> str:
+        """What differs between two identities of a pair's nodes, in words; `fields`: the nodes' kv_identity fields
+        as they were then (each changed field is named)."""
         if was is None:
             return "not measured yet"
         out = []
         for name, (boot0, kv0), (boot1, kv1) in zip(pair[1:], was, now):
             if boot0 != boot1:
-                out.append(f"{name} restarted" + (f" (boot id {boot0[:8]} -> {boot1[:8]})"
-                                                  if not boot1.startswith("up#") else " (it reports no boot id)"))
+                out.append(f"{name} came back up (it reports no boot id: taken as another process)"
+                           if boot1.startswith("up#") else f"{name} restarted (boot id {boot0[:8]} -> {boot1[:8]})")
             elif kv0 != kv1:
-                ident = self.pool.nodes[name].kv_identity.get(pair[0]) or {}
-                fields = ", ".join(f"{k}={v}" for k, v in sorted(ident.items()) if k != "digest")
-                out.append(f"{name}'s KV configuration changed (now {fields or 'unknown'})")
+                new, old = self.pool.nodes[name].kv_identity.get(pair[0]) or {}, (fields or {}).get(name) or {}
+                diff = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+                                 if k != "digest" and old.get(k) != new.get(k))
+                out.append(f"{name}'s KV configuration changed ({diff or f'digest {kv0} -> {kv1}'})")
         return "; ".join(out) or "unchanged"
 
     def _due(self, pair: Pair, now: float) -> bool:
@@ -182,9 +189,9 @@ class Fidelity:
         ident = self._identity(pair)
         if st.seen is not None and ident != st.seen and st.verdict is not None:
             log.warning("KV fidelity of %s on %s -> %s: %s; checked again before it carries KV", *pair,
-                        self._changes(st.seen, ident, pair))
+                        self._changes(st.seen, ident, pair, st.seen_fields))
             st.retry_at, st.failures = 0.0, 0  # a new node is not behind the old one's backoff
-        st.seen = ident
+        st.seen, st.seen_fields = ident, self._fields(pair)
         if st.task is not None or not self._both_up(pair) or now < st.retry_at:
             return False
         v = self._current(pair)
@@ -209,15 +216,15 @@ class Fidelity:
 
     async def _check(self, session: aiohttp.ClientSession, pair: Pair) -> Verdict:
         model, p, d = pair
-        nodes, started = self.pool.nodes, self._identity(pair)
+        nodes, started, fields = self.pool.nodes, self._identity(pair), self._fields(pair)
         try:
             v = await run_canary(session, model, (p, nodes[p].url), (d, nodes[d].url), {}, self.cfg.timeout_s)
         finally:
             self.pairs[pair].task = None
-        self._record(pair, v, started)
+        self._record(pair, v, started, fields)
         return v
 
-    def _record(self, pair: Pair, v: Verdict, started: Identity) -> None:
+    def _record(self, pair: Pair, v: Verdict, started: Identity, fields: dict | None = None) -> None:
         """Only a completed comparison on the nodes as they still are moves the verdict; an error is counted."""
         st, now = self.pairs[pair], time.monotonic()
         if v.state == "error":
@@ -227,10 +234,10 @@ class Fidelity:
             return
         if started != self._identity(pair):  # a node changed under the canary: its figure is the old node's
             log.info("KV fidelity of %s on %s -> %s: a node changed while the canary ran (%s); it runs again",
-                     *pair, self._changes(started, self._identity(pair), pair))
+                     *pair, self._changes(started, self._identity(pair), pair, fields))
             return
         was = self._current(pair)
-        st.verdict, st.at, st.identity, st.error, st.errors = v, now, started, None, 0
+        st.verdict, st.at, st.identity, st.fields, st.error, st.errors = v, now, started, fields, None, 0
         self.metrics.fidelity_error.labels(*pair).set(v.error if v.error is not None else -1)
         if v.ok:
             st.failures, st.retry_at = 0, 0.0

@@ -65,6 +65,7 @@ class FakeNode:
         # a changed KV configuration; None leaves the field out (a node from before they existed).
         self.boot_id: str | None = uuid.uuid4().hex
         self.kv_digest: str | None = "kv0"
+        self.kv_dtype = "float32"  # shown beside the digest (a real node lists every field it hashes)
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -94,7 +95,7 @@ class FakeNode:
         if self.boot_id is not None:
             body["boot_id"] = self.boot_id
         if self.kv_digest is not None:
-            body["kv_identity"] = {self.model_id: {"digest": self.kv_digest, "dtype": "float32"}}
+            body["kv_identity"] = {self.model_id: {"digest": self.kv_digest, "dtype": self.kv_dtype}}
         return web.json_response(body)
 
 

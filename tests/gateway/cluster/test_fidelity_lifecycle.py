@@ -88,16 +88,16 @@ async def test_a_changed_kv_configuration_is_verified_again_before_it_carries_kv
     caplog.set_level(logging.WARNING, "gateway.cluster.fidelity")
     await cluster.wait_fidelity()
     cluster.decode.canary_hold = hold = asyncio.Event()
-    cluster.decode.kv_digest = "kv1"  # reconfigured in place (same boot id): e.g. another wire or KV dtype
+    cluster.decode.kv_digest, cluster.decode.kv_dtype = "kv1", "bfloat16"  # reconfigured, same boot id (a test)
 
     async def noticed() -> bool:  # and its canary started
         return (await _row(cluster))["state"] == "checking"
     await cluster.wait_for(noticed)
     row = await _row(cluster)
-    assert not row["usable"] and "decode-0's KV configuration changed" in row["reverify"]
+    assert not row["usable"] and "decode-0's KV configuration changed (dtype float32 -> bfloat16)" in row["reverify"]
     assert await cluster.metric("disagg_kv_fidelity", **PAIR) == -1
     assert await _path(cluster) == "local"
-    assert any("KV configuration changed" in m and "checked again before it carries KV" in m
+    assert any("KV configuration changed (dtype float32 -> bfloat16)" in m and "checked again before it carries KV" in m
                for m in _messages(caplog, logging.WARNING))
     hold.set()
     (row,) = await cluster.wait_fidelity()
