@@ -174,14 +174,18 @@ class Fidelity:
             return "not measured yet"
         out = []
         for name, (boot0, kv0), (boot1, kv1) in zip(pair[1:], was, now):
+            new, old = self.pool.nodes[name].kv_identity.get(pair[0]) or {}, (fields or {}).get(name) or {}
+            diff = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+                             if k != "digest" and old.get(k) != new.get(k))
+            if kv0 != kv1 and not diff:
+                diff = f"digest {kv0} -> {kv1}"
+            what = f"; its KV configuration changed: {diff}" if diff else ""
             if boot0 != boot1:
-                out.append(f"{name} came back up (it reports no boot id: taken as another process)"
-                           if boot1.startswith("up#") else f"{name} restarted (boot id {boot0[:8]} -> {boot1[:8]})")
-            elif kv0 != kv1:
-                new, old = self.pool.nodes[name].kv_identity.get(pair[0]) or {}, (fields or {}).get(name) or {}
-                diff = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
-                                 if k != "digest" and old.get(k) != new.get(k))
-                out.append(f"{name}'s KV configuration changed ({diff or f'digest {kv0} -> {kv1}'})")
+                out.append(f"{name} came back up (it reports no boot id: taken as another process{what})"
+                           if boot1.startswith("up#") else
+                           f"{name} restarted (boot id {boot0[:8]} -> {boot1[:8]}{what})")
+            elif diff:
+                out.append(f"{name}'s KV configuration changed ({diff})")
         return "; ".join(out) or "unchanged"
 
     def _due(self, pair: Pair, now: float) -> bool:

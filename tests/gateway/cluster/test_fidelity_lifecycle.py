@@ -104,6 +104,13 @@ async def test_a_changed_kv_configuration_is_verified_again_before_it_carries_kv
     assert row["state"] == "verified" and row["usable"] and cluster.decode.canaries == 2
     assert await _path(cluster) == "disaggregated"
 
+    cluster.decode.boot_id, cluster.decode.kv_dtype = "b2" * 16, "float16"  # restarted with another KV dtype
+
+    async def said() -> bool:
+        return any("decode-0 restarted (boot id " in m and "-> b2b2b2b2; its KV configuration changed: dtype "
+                   "bfloat16 -> float16)" in m for m in _messages(caplog, logging.WARNING))
+    await cluster.wait_for(said)
+
 
 def test_the_backoff_doubles_up_to_its_cap():
     assert [_backoff(30, n, 900) for n in range(1, 8)] == [30, 60, 120, 240, 480, 900, 900]
