@@ -1,10 +1,15 @@
-"""What both node services share: the error tree and its JSON translation, node auth, /health, and start-up."""
+"""What both node services share: the error tree and its JSON translation, node auth, /health (with the process's
+boot id and the KV identity helper the gateway's fidelity check compares), and start-up."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
+import platform
+import uuid
+from importlib import metadata
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -92,15 +97,54 @@ async def json_body(request: web.Request) -> dict:
     return body
 
 
+def kv_identity(fields: dict) -> dict:
+    """What shapes a node's KV of one model (dtypes, parallelism, layout inputs, fingerprint, wire dtype, versions),
+    with their digest: {"digest": 16 hex of sha256 over the fields' canonical JSON, **fields}. The gateway verifies
+    a pair's KV again before it carries traffic when the digest changes (gateway/cluster/fidelity.py)."""
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return {"digest": hashlib.sha256(blob).hexdigest()[:16], **fields}
+
+
+def versions(*dists: str) -> dict[str, str]:
+    """Installed versions of `dists` (kernels change with them); "-" for one not installed."""
+    out = {}
+    for d in dists:
+        try:
+            out[d] = metadata.version(d)
+        except metadata.PackageNotFoundError:
+            out[d] = "-"
+    return out
+
+
+# CPU features a kernel (and so a KV layout or its rounding) is chosen by: vLLM's CPU attention ISA, bf16 paths.
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def machine() -> str:
+    """The architecture and, where /proc/cpuinfo says, the CPU features above: `x86_64 avx2,avx512f`."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # macOS: the architecture says it (arm64)
+        pass
+    return " ".join([platform.machine(), ",".join(f for f in _CPU_FLAGS if f in flags)]).strip()
+
+
 def node_app(health: Callable[[], dict], on_start: Callable[[web.Application], Awaitable[None]],
              on_stop: Callable[[web.Application], Awaitable[None]], token: str | None = None,
              open_paths: tuple[str, ...] = ()) -> web.Application:
-    """The node's aiohttp app; with `token` (node_token) every route but `open_paths` refuses callers without it."""
+    """The node's aiohttp app; with `token` (node_token) every route but `open_paths` refuses callers without it.
+    Its /health carries `boot_id`, new each time the process starts: the gateway tells a restarted node by it."""
     middlewares = [error_middleware] if token is None else [auth_middleware(token, open_paths), error_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=64 << 20)
+    boot_id = uuid.uuid4().hex
 
     async def health_handler(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **health()})
+        return web.json_response({"status": "ok", "boot_id": boot_id, **health()})
 
     app.router.add_get("/health", health_handler)
     app.on_startup.append(on_start)

@@ -102,11 +102,19 @@ class Metrics:
             ["model", "reason"], registry=r,
         )
         # The KV fidelity canary per (model, prefill, decode) pair (gateway/cluster/fidelity.py).
+        # Values of disagg_kv_fidelity (docs/kv_bridge.md, "Lifecycle"): the last completed comparison that still
+        # applies; an error does not move it.
         self.fidelity = Gauge("disagg_kv_fidelity", "KV fidelity of a prefill -> decode pair: 1 verified, 0 failed, "
-                              "-1 not verified yet (or the canary could not run)", ["model", "prefill", "decode"],
-                              registry=r)
+                              "-1 pending (no comparison yet, or a node changed since), -2 error (the canary could not "
+                              "run and no verdict applies)", ["model", "prefill", "decode"], registry=r)
         self.fidelity_error = Gauge("disagg_kv_fidelity_error", "The canary's worst per-layer relative KV error",
                                     ["model", "prefill", "decode"], registry=r)
+        self.fidelity_errors = Gauge("disagg_kv_fidelity_errors", "Canaries in a row that could not run (0 after any "
+                                     "completed comparison); alert on it", ["model", "prefill", "decode"], registry=r)
+        self.fidelity_age = Gauge("disagg_kv_fidelity_age_seconds", "Age of the pair's verdict (its last completed "
+                                  "comparison); -1: none", ["model", "prefill", "decode"], registry=r)
+        self.fidelity_usable = Gauge("disagg_kv_fidelity_usable", "1 when the pair may carry KV now (its verdict, or "
+                                     "a [[fidelity.override]])", ["model", "prefill", "decode"], registry=r)
         self.refreshers: list[Callable[["Metrics"], None]] = []  # gauges set from live state just before a scrape
 
     def declare(self, model_ids) -> None:

@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 from dataclasses import asdict, dataclass, field
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from kv_bridge.config.fidelity import FidelitySchedule
 
 # Largest relative error (max |bridged - mlx| / max |mlx|, per layer and tensor) a right KV shows, per dtype: the
 # coarser of the wire dtype and the decode node's KV dtype decides. Measured (docs/kv_bridge.md, "The fidelity
@@ -41,8 +43,9 @@ def kl_tolerance(*dtypes: str) -> float:
     return _coarsest(KL_TOLERANCE, dtypes)
 
 
-class FidelityConfig(BaseModel):
-    """`[fidelity]`: the run-time KV check of every (prefill node, decode node, model) pair."""
+class FidelityConfig(FidelitySchedule):
+    """`[fidelity]`: the run-time KV check of every (prefill node, decode node, model) pair (its schedule and
+    overrides: kv_bridge/config/fidelity.py)."""
 
     enabled: bool = Field(default=True, description="run the canary when a pair becomes usable (both nodes healthy) "
                           "and on demand (POST /fidelity, `disagg status`)")

@@ -113,23 +113,64 @@ async def _result(http, d: NodeConfig, tid: str, headers: dict, timeout: float) 
         return await r.json()
 
 
+@dataclass
+class Lifecycle:
+    """What the gateway adds to a pair's verdict (gateway/cluster/fidelity.py): whether its routing uses the pair,
+    whether the verdict is stale (the last try could not run, or a node is down) and how old, and an override."""
+
+    usable: bool | None = None
+    stale: bool = False
+    age_s: float | None = None
+    errors: int = 0
+    last_error: str | None = None
+    override: dict | None = None  # {"usable", "reason"}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Lifecycle":
+        return cls(**{k: row[k] for k in cls.__dataclass_fields__ if k in row})
+
+    def note(self) -> str:
+        """The NOTE column's lifecycle part: stale since when and why, and an override's reason."""
+        out = []
+        if self.stale:
+            age = "" if self.age_s is None else f" ({_ago(self.age_s)} old)"
+            out.append(f"stale{age}: {self.last_error or 'a node is down'}")
+        if self.override is not None:
+            out.append(f"override ({'used' if self.override['usable'] else 'not used'}): {self.override['reason']}")
+        return "; ".join(out)
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f}h"
+
+
 def _verdict(row: dict) -> Verdict:
     """A pair of the gateway's POST /fidelity answer; one it could not check (a node down, the canary off) is an
     "error" verdict that says why."""
-    if row["state"] in ("verified", "failed", "error"):
+    if row["state"] in ("verified", "failed"):
         return Verdict.from_json(row)
-    why = {"pending": "a node is down", "unchecked": "the gateway's canary is off ([fidelity] enabled)"}
+    if row["state"] == "error":
+        return Verdict.from_json({**row, "message": row.get("last_error") or row.get("message") or ""})
+    why = {"pending": "a node is down", "unchecked": "the gateway's canary is off ([fidelity] enabled)",
+           "checking": "being checked again" + (f": {row['reverify']}" if row.get("reverify") else "")}
     return Verdict(row["model"], row["prefill"], row["decode"], "error", message=why.get(row["state"], row["state"]))
 
 
 async def _fidelity(http, s: Settings, up: set[str], headers: dict) -> list[Verdict]:
-    """Every pair's canary verdict: from the gateway's POST /fidelity when it answers, else run here, pair by pair."""
+    """Every pair's canary verdict: from the gateway's POST /fidelity when it answers (each with its Lifecycle as
+    `.lifecycle`), else run here, pair by pair."""
     keys = s.auth.client_keys()
     gw = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     try:
         async with http.post(f"http://{s.gateway.host}:{s.gateway.port}/fidelity", headers=gw) as r:
             if r.status == 200:
-                return [_verdict(row) for row in (await r.json())["pairs"]]
+                out = []
+                for row in (await r.json())["pairs"]:
+                    v = _verdict(row)
+                    v.lifecycle = Lifecycle.from_row(row)
+                    out.append(v)
+                return out
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
         pass  # no gateway here: ask the nodes themselves
     out = []
@@ -227,11 +268,13 @@ def render(result: dict, color: bool = False) -> str:
         rows = [("MODEL", "PREFILL -> DECODE", "KV FIDELITY", "WORST", "REL. ERROR", "TOLERANCE", "GREEDY", "KL",
                  "NOTE")]
         for v in result["fidelity"]:
-            figs = v.state != "error"
-            rows.append((v.model, f"{v.prefill} -> {v.decode}", v.state.upper() if v.state == "failed" else v.state,
+            figs, life = v.state != "error", _lifecycle(v)
+            state = v.state.upper() if v.state == "failed" else v.state
+            note = "; ".join(n for n in (v.message, life.note()) if n) or "-"
+            rows.append((v.model, f"{v.prefill} -> {v.decode}", state + (" (stale)" if life.stale else ""),
                          f"{v.tensor} layer {v.layer}" if figs else "-", f"{v.error:.2g}" if figs else "-",
                          f"{v.tolerance:g}" if figs else "-", v.greedy or "-",
-                         "-" if v.kl is None else f"{v.kl:.2g}", (v.message or "-")[:100]))
+                         "-" if v.kl is None else f"{v.kl:.2g}", note[:160]))
         lines += [""] + _table(rows, flag=lambda r: r[2] != "verified", mark=red)
     if result.get("queue") is not None:
         q = result["queue"]
@@ -256,17 +299,31 @@ def _table(rows: list[tuple], flag, mark) -> list[str]:
     return out
 
 
+def _lifecycle(v: Verdict) -> Lifecycle:
+    """The gateway's Lifecycle of a verdict; an empty one for a canary run here."""
+    return getattr(v, "lifecycle", None) or Lifecycle()
+
+
+def passes(v: Verdict) -> bool:
+    """Whether a pair counts as healthy for the exit status: verified (stale too: its verdict stands), or vouched for
+    by an override."""
+    ov = _lifecycle(v).override
+    return v.ok if ov is None else bool(ov["usable"])
+
+
 def to_json(result: dict) -> dict:
     return {"nodes": [asdict(n) for n in result["nodes"]], "consensus": result["consensus"],
             "links": [{**asdict(l), "gbit_s": l.gbit_s} for l in result["links"]],
-            "fidelity": [v.to_json() for v in result.get("fidelity", [])], "queue": result.get("queue")}
+            "fidelity": [{**v.to_json(), **asdict(_lifecycle(v))} for v in result.get("fidelity", [])],
+            "queue": result.get("queue")}
 
 
 def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0,
          fidelity: bool = True) -> int:
-    """Exit 0 when every node is up, agrees, every link probe passed and every pair's KV is verified; 1 otherwise."""
+    """Exit 0 when every node is up, agrees, every link probe passed and every pair's KV is verified (or vouched for
+    by a [[fidelity.override]]); 1 otherwise."""
     result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity))
     print(json.dumps(to_json(result), indent=2) if as_json else render(result, color=sys.stdout.isatty()))
     healthy = all(n.up and n.agreement == "ok" for n in result["nodes"]) and all(l.ok for l in result["links"]) \
-        and all(v.ok for v in result["fidelity"])
+        and all(passes(v) for v in result["fidelity"])
     return 0 if healthy else 1

@@ -16,7 +16,8 @@ from typing import Callable
 
 from aiohttp import web
 
-from backends.common import NodeError, bad_request, json_body, node_app, node_token, open_paths, run_app
+from backends.common import (NodeError, bad_request, json_body, kv_identity, machine, node_app, node_token, open_paths,
+                             run_app, versions)
 from backends.decode.engine import Job, MLXModel
 from backends.node_metrics import DecodeMetrics
 from backends.decode.sampling import StopMatcher, parse_sampling
@@ -43,6 +44,7 @@ class DecodeService:
         self.receiver = KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac)
         self.running = 0
         self.metrics = DecodeMetrics(self)
+        self._identity: dict[str, dict] = {}  # model id -> kv_identity, once loaded
         # on_finished(model_id, tokens, cache) on the MLX thread when a batched generation ends, after the prefix
         # store has seen it (tests hook in here).
         self.on_finished: Callable[[str, list[int], list], None] | None = None
@@ -78,7 +80,21 @@ class DecodeService:
                 "transfers": len(self.receiver.transfers),  # registered and not yet settled: 0 when idle
                 "prefix_cache_bytes": sum(m.prefixes.nbytes for m in ms),
                 "fingerprint": {mid: m.spec["fingerprint"] for mid, m in self.models.items()},
-                "quantization": {mid: model_quantization(m.path) for mid, m in self.models.items()}}
+                "quantization": {mid: model_quantization(m.path) for mid, m in self.models.items()},
+                "kv_identity": {mid: self.kv_identity(m) for mid, m in self.models.items()}}
+
+    def kv_identity(self, m: MLXModel) -> dict:
+        """What shapes the KV this node builds and holds for `m` (backends/common.py), once it is loaded."""
+        got = self._identity.get(m.model_id)
+        if got is None:
+            d = self.settings.decode
+            got = kv_identity({"fingerprint": m.spec["fingerprint"], "quantization": model_quantization(m.path),
+                               "kv_dtype": m.kv_dtype, "kv_bits": d.kv_bits,
+                               "kv_group_size": d.kv_group_size if d.kv_bits else None, "machine": machine(),
+                               "versions": versions("mlx", "mlx-lm")})
+            if m.kv_dtype is not None:  # loaded: it will not change until the process does
+                self._identity[m.model_id] = got
+        return got
 
     def _parse(self, body: dict) -> tuple[MLXModel, list[int], int, Sampling]:
         m = self.models.get(body.get("model"))

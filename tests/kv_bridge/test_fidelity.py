@@ -169,18 +169,23 @@ async def test_a_failed_pair_goes_local_and_says_so_everywhere(empty_config, cap
         await c.stop()
 
 
-async def test_a_verified_pair_is_disaggregated_and_checked_again_after_a_node_was_down(cluster):
+async def test_a_verified_pair_is_disaggregated_and_checked_again_after_a_node_restarted(cluster):
     (row,) = await cluster.wait_fidelity()
     assert row["state"] == "verified" and row["usable"] and row["greedy"] == "8/8"
     assert await _path(cluster) == "disaggregated"
     assert cluster.decode.canaries == 1
     cluster.decode.down = True
+    cluster.decode.boot_id = "restarted"  # it comes back as another process
 
-    async def forgotten() -> bool:  # the node's verdict is dropped while it is down
+    async def seen_down() -> bool:
         async with cluster.http.get(cluster.url + "/health") as r:
-            return (await r.json())["fidelity"][0]["state"] == "pending"
-    await cluster.wait_for(forgotten)
+            return not (await r.json())["nodes"][0]["up"]
+    await cluster.wait_for(seen_down)
     cluster.decode.down = False
+
+    async def checked_again() -> bool:  # the old process's verdict does not stand for the new one
+        return cluster.decode.canaries == 2
+    await cluster.wait_for(checked_again)
     (row,) = await cluster.wait_fidelity()
     assert row["state"] == "verified" and cluster.decode.canaries == 2
     assert await _path(cluster) == "disaggregated"

@@ -61,6 +61,11 @@ class FakeNode:
     def __init__(self, name: str, model_id: str = MODEL_ID) -> None:
         self.name, self.model_id = name, model_id
         self.down = False  # /health (and work) answer 503 "loading"
+        # What /health says of who answers (backends/common.py): a new boot_id is a restarted process, a new kv_digest
+        # a changed KV configuration; None leaves the field out (a node from before they existed).
+        self.boot_id: str | None = uuid.uuid4().hex
+        self.kv_digest: str | None = "kv0"
+        self.kv_dtype = "float32"  # shown beside the digest (a real node lists every field it hashes)
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -86,8 +91,12 @@ class FakeNode:
     async def _health(self, request: web.Request) -> web.Response:
         if self.down:
             return web.json_response({"status": "loading", "role": self.role}, status=503)
-        return web.json_response({"status": "ok", "role": self.role, "models": [self.model_id],
-                                  "fingerprint": {self.model_id: "00"}})
+        body = {"status": "ok", "role": self.role, "models": [self.model_id], "fingerprint": {self.model_id: "00"}}
+        if self.boot_id is not None:
+            body["boot_id"] = self.boot_id
+        if self.kv_digest is not None:
+            body["kv_identity"] = {self.model_id: {"digest": self.kv_digest, "dtype": self.kv_dtype}}
+        return web.json_response(body)
 
 
 @dataclass
@@ -100,8 +109,8 @@ class _Transfer:
 
 class FakeDecodeNode(FakeNode):
     """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
-    "http_500" (answer 500 before any stream starts), "kv_capacity" (answer 429 to requests that want KV, as a
-    real decode node over its kv.max_inflight_bytes does). A mid-stream failure comes after `break_after` tokens.
+    "http_500" (answer 500 before any stream starts), "kv_capacity" (answer 429 to requests that want KV and to the
+    fidelity canary, as a real decode node over its kv.max_inflight_bytes does). A mid-stream failure comes after `break_after` tokens.
 
     With `continues`, like a greedy model whose answer to everything is the reply: a prompt that already ends with
     the reply's first j tokens (a continuation after a failover) gets the rest of it. Stop strings are matched as the
@@ -132,6 +141,7 @@ class FakeDecodeNode(FakeNode):
         # KV a prefill node delivers; past the float32 tolerance (0.01) the verdict is failed.
         self.fidelity_error = 1e-5
         self.canaries = 0
+        self.canary_hold: asyncio.Event | None = None  # set: every canary's comparison waits for it
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/generate", self._generate)
@@ -142,6 +152,10 @@ class FakeDecodeNode(FakeNode):
     async def _canary_expect(self, request: web.Request) -> web.Response:
         if self.down:
             return _error(503, "loading")
+        if self.mode == "kv_capacity":  # a busy node: its KV budget is taken by requests
+            resp = _error(429, "over kv.max_inflight_bytes (fake)")
+            resp.headers["Retry-After"] = "1"
+            return resp
         tid = f"canary-{uuid.uuid4().hex}"
         ids = self.tok.encode("The river town of Alder Bend kept its records in a stone hall.").ids
         self._transfers[tid] = _Transfer(len(ids) - 1)
@@ -152,6 +166,8 @@ class FakeDecodeNode(FakeNode):
         tid = request.match_info["tid"]
         kv_tokens, fallback = await self._await_kv(tid)
         self._transfers.pop(tid, None)
+        if self.canary_hold is not None:
+            await self.canary_hold.wait()
         self.canaries += 1
         base = {"model": self.model_id, "prefill": "", "decode": self.name, "tokens": kv_tokens}
         if fallback is not None:

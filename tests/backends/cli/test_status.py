@@ -138,3 +138,39 @@ def test_status_command_on_the_embedded_stack(stack):
     assert out["nodes"][1]["quantization"] == {MODEL_ID: "float32"}
     (link,) = out["links"]
     assert link["ok"] and link["bytes"] > 15 << 20 and link["gbit_s"] > 0
+
+
+def test_the_fidelity_table_says_stale_and_override_and_the_exit_status_follows_the_verdict():
+    """Rows as the gateway's POST /fidelity answers them (gateway/cluster/fidelity.py): a verified pair whose last
+    try hit a busy node stays verified and passes, marked stale with its age and cause; a failed pair an override
+    vouches for passes with its reason shown; one with no verdict that could not run, or one being checked again
+    after a restart, does not."""
+    fig = {"error": 2e-5, "layer": 3, "tensor": "K", "tolerance": 0.01, "wire_dtype": "float32",
+           "kv_dtype": "float32", "greedy": "8/8", "kl": 1e-6}
+    rows = [
+        {"model": "m", "prefill": "p0", "decode": "d0", "state": "verified", "usable": True, **fig, "stale": True,
+         "age_s": 600.0, "errors": 2, "last_error": "http://d0 answered HTTP 429: over kv.max_inflight_bytes"},
+        {"model": "m", "prefill": "p0", "decode": "d1", "state": "failed", "usable": True, **fig, "error": 0.4,
+         "stale": False, "age_s": 5.0, "errors": 0, "last_error": None,
+         "override": {"usable": True, "reason": "4-bit Mac, checked by hand"}},
+        {"model": "m", "prefill": "p1", "decode": "d0", "state": "error", "usable": False, "errors": 4,
+         "last_error": "KV did not arrive: timeout", "summary": "not checked: KV did not arrive: timeout"},
+        {"model": "m", "prefill": "p1", "decode": "d1", "state": "checking", "usable": False,
+         "reverify": "d1 restarted (boot id 1234abcd -> 5678ef01)"},
+    ]
+    verdicts = []
+    for row in rows:
+        v = status._verdict(row)
+        v.lifecycle = status.Lifecycle.from_row(row)
+        verdicts.append(v)
+    assert [status.passes(v) for v in verdicts] == [True, True, False, False]
+    lines = status.render({"nodes": [], "links": [], "fidelity": verdicts}).splitlines()
+    stale, vouched, error, checking = (next(ln for ln in lines if f"{r['prefill']} -> {r['decode']}" in ln)
+                                       for r in rows)
+    assert stale.startswith("!! ") and "verified (stale)" in stale and "stale (10min old): http://d0 answered HTTP 429" \
+        in stale
+    assert "FAILED" in vouched and "override (used): 4-bit Mac, checked by hand" in vouched
+    assert "error" in error and "KV did not arrive: timeout" in error
+    assert "being checked again: d1 restarted" in checking
+    (js,) = [j for j in status.to_json({"nodes": [], "links": [], "consensus": {}, "fidelity": verdicts[:1]})["fidelity"]]
+    assert js["state"] == "verified" and js["stale"] and js["age_s"] == 600.0 and js["errors"] == 2
