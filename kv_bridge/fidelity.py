@@ -77,6 +77,10 @@ class Verdict:
     message: str = ""
     layers: list[dict] = field(default_factory=list)  # per layer: {"layer", "k", "v"} relative errors
     kl: float | None = None  # the largest next-token KL(mlx || bridged) over the greedy steps
+    head: int | None = None  # the worst finding's KV head (None: a whole-layer figure)
+    metric: str | None = None  # what `error` is: "rel. RMS", "gain", "placement", "position error" (None: old max)
+    weights: str | None = None  # the decode model's weight precision the tolerances allowed for: full, 8, 4
+    findings: list[dict] = field(default_factory=list)  # every (tensor, layer, head) beyond its tolerance
 
     @property
     def ok(self) -> bool:
@@ -86,7 +90,8 @@ class Verdict:
         """One line: what an operator reads in `disagg status`, /health and the WARN log."""
         if self.state == "error":
             return f"not checked: {self.message}"
-        fig = f"{self.tensor} layer {self.layer} rel. error {self.error:.2g} (tolerance {self.tolerance:g})"
+        where = f"{self.tensor} layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
+        fig = f"{where} {self.metric or 'rel. error'} {self.error:.2g} (tolerance {self.tolerance:.2g})"
         kl = "" if self.kl is None else f", next-token KL {self.kl:.2g}"
         return f"{self.state}: worst {fig}, greedy {self.greedy}{kl}" + (f"; {self.message}" if self.message else "")
 
