@@ -52,6 +52,9 @@ class FidelityConfig(BaseModel):
                                "sliding window + 32 whatever this says")
     greedy_tokens: int = Field(default=8, ge=1, le=64, description="greedy tokens decoded from the bridged cache and "
                                "from MLX's own, compared")
+    prefix_tokens: int = Field(default=0, ge=0, description="canary tokens the decode node holds as a reused prefix "
+                               "(its own MLX prefill, as its prefix store would), the rest arriving as KV appended to "
+                               "it: the prefix-reuse path; 0: the whole canary arrives as KV")
     timeout_s: float = Field(default=120.0, gt=0, description="one canary, prefill to verdict")
     retry_s: float = Field(default=30.0, gt=0, description="a canary that could not run (not a failed one) runs "
                            "again after this")
@@ -81,6 +84,7 @@ class Verdict:
     metric: str | None = None  # what `error` is: "rel. RMS", "gain", "placement", "position error" (None: old max)
     weights: str | None = None  # the decode model's weight precision the tolerances allowed for: full, 8, 4
     findings: list[dict] = field(default_factory=list)  # every (tensor, layer, head) beyond its tolerance
+    prefix: int = 0  # canary tokens held as a reused prefix on the decode node, the KV after them appended
 
     @property
     def ok(self) -> bool:
@@ -126,7 +130,8 @@ async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[s
                                               params={"timeout": str(timeout_s)}))
         try:
             await _call(http, "POST", purl + "/v1/prefill", headers, json={
-                "request_id": tid, "model": model, "token_ids": exp["token_ids"], "kv_target": exp["kv_target"]})
+                "request_id": tid, "model": model, "token_ids": exp["token_ids"], "kv_target": exp["kv_target"],
+                "kv_start": exp.get("kv_start", 0)})
         except BaseException:
             waiting.cancel()
             with contextlib.suppress(Exception):  # the prefill's own failure is what the verdict says

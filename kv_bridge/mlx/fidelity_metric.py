@@ -106,11 +106,23 @@ def placement(bridged: list[dict], reference: list[dict], rope: Callable | None)
 PLACEMENT = 0.8  # a rival slot nearer by 20%: honest noise leaves it at >= ~1.0 (it adds to the rival's distance)
 
 
+def arrived(layers: list[dict], start: int) -> list[dict]:
+    """Each layer's positions from `start` on (the ones that arrived as KV after a held prefix); a layer holding
+    only the newest positions (a window) keeps those past `start`."""
+    total = max((r["k"].shape[1] for r in layers), default=0)
+    out = []
+    for r in layers:
+        skip = max(0, start - (total - r["k"].shape[1]))
+        out.append({t: x[:, skip:] for t, x in r.items()})
+    return out
+
+
 def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, chunk: int | None = None,
-          rope: Callable | None = None) -> dict:
+          rope: Callable | None = None, start: int = 0) -> dict:
     """The canary's figures and findings. Returns {"layers": [per-layer row], "findings": [...], "worst": finding}
     where a finding is {"metric", "tensor", "layer", "head", "value", "tolerance", "what"}; "worst" is the first
-    failing one, or the head nearest its tolerance when none fails."""
+    failing one, or the head nearest its tolerance when none fails. `start`: positions before it were held by the
+    decode node (a reused prefix), the placement test looks at the ones after."""
     if weights not in WEIGHTS:
         raise ValueError(f"no fidelity allowance for weights {weights!r}; known: {', '.join(WEIGHTS)}")
     a_rel, a_gain, a_pos = WEIGHTS[weights]
@@ -148,7 +160,7 @@ def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, c
                                  "value": float(err[p]), "tolerance": float(tol[p]),
                                  "what": f"held position {p} of {err.size} is another token's"})
     findings.sort(key=lambda f: -f["value"] / f["tolerance"])  # the furthest past its tolerance first
-    misplaced = placement(bridged, reference, rope)
+    misplaced = placement(arrived(bridged, start), arrived(reference, start), rope)
     if misplaced is not None:
         findings.insert(0, {"metric": "placement", "tensor": misplaced["tensor"], "layer": misplaced["layer"],
                             "head": misplaced["head"], "value": misplaced["value"], "tolerance": PLACEMENT,
