@@ -1,4 +1,4 @@
-"""The fidelity canary's metric and rule (numpy only): per layer, tensor and KV head, what the bridged KV reads against
+"""The fidelity canary's metric and rule (numpy, and MLX's fp8 rounding): per layer, tensor and KV head, what the bridged KV reads against
 MLX's own, against what the wire's own encoding of MLX's KV reads, and whether it sits in its own slot at all.
 
 Arrays per layer are (H, T, D) float32 over the positions both caches hold. Three tests, each invariant to an honest
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import mlx.core as mx
 import numpy as np
 
 from kv_bridge import dtypes
@@ -47,7 +48,9 @@ def wire_encode(x: np.ndarray, wire: str, chunk: int | None = None) -> np.ndarra
     for s in range(0, x.shape[1], step):
         part = x[:, s:s + step]
         scale = max(float(np.abs(part).max()) / dtypes.E4M3_MAX, 1e-12)
-        out[:, s:s + step] = dtypes.to_float32(dtypes.e4m3_encode(part, scale), "float8_e4m3", scale)
+        # MLX's e4m3 rounding (nearest, saturating): the same codes as dtypes.e4m3_encode, ~10x faster
+        out[:, s:s + step] = np.array(mx.from_fp8(mx.to_fp8(mx.array(part / np.float32(scale))), dtype=mx.float32))
+        out[:, s:s + step] *= np.float32(scale)
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kv_bridge import dtypes
 from kv_bridge.mlx.fidelity_metric import judge, wire_encode
 from tests.support import tiny_models
 from tests.support.kv_faults import FAULTS
@@ -79,6 +80,9 @@ def test_the_wire_floor_is_measured_not_assumed():
     ordinary = slice(8, 40)
     assert rel("float32", ordinary) == 0 and 0 < rel("bfloat16", ordinary) < 0.01 < rel("float8_e4m3", ordinary) < 0.1
     assert rel("float8_e4m3", slice(0, 8)) > 3 * rel("float8_e4m3", ordinary)  # the outlier's frame
+    scale = float(np.abs(x[:, :8]).max()) / 448  # the connector's rounding (kv_bridge/dtypes.py), bit for bit
+    assert np.array_equal(wire_encode(x, "float8_e4m3", 8)[:, :8],
+                          dtypes.to_float32(dtypes.e4m3_encode(x[:, :8], scale), "float8_e4m3", scale))
     with pytest.raises(ValueError, match="int8"):
         wire_encode(x, "int8")
     with pytest.raises(ValueError, match="weights"):
