@@ -112,6 +112,8 @@ def run(args) -> dict:
             return cache[key]
 
         for pairing, spec in pairs.items():
+            if args.pairings and pairing not in args.pairings.split(","):
+                continue
             dec_path, weights = spec[0], spec[1]
             pre_path, pre_dtype = spec[2:] if len(spec) > 2 else (src, args.prefill_dtype)
             pre, tok = loaded(pre_path, pre_dtype)
@@ -166,6 +168,7 @@ def main() -> None:
     ap.add_argument("--canaries", type=int, default=50, help="honest canaries per pairing and wire")
     ap.add_argument("--length", type=int, default=136, help="canary tokens")
     ap.add_argument("--wires", default=",".join(WIRES))
+    ap.add_argument("--pairings", help="only these, comma-separated (e.g. 4-bit)")
     ap.add_argument("--prefill-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()

@@ -6,8 +6,8 @@ difference of weights (docs/kv_bridge.md, "The fidelity canary"):
 - placement: each head's KV is nearer MLX's own head than any rival slot (another head, the other tensor, the next
   or previous layer, K rotated one position more or less). Honest noise has no structure, so its own slot always
   wins; a swap, a shifted layer or RoPE positions off by one make a rival win. No tolerance.
-- gain: <bridged, mlx> / <mlx, mlx> per layer and tensor (a scale fault: an fp8 scale, V too large); cosine is blind
-  to scale, relative RMS mixes it with noise.
+- gain: <bridged, mlx> / <mlx, mlx> per layer and tensor (a scale fault: an fp8 scale, V too large), within
+  [1 / (1 + rel^2), 1] (GAIN); cosine is blind to scale, relative RMS mixes it with noise.
 - error: relative RMS per head, and per position of the first layer (a function of token and position alone, so a
   stale prefix or a misplaced window shows there), against the wire's own error on the same KV plus an allowance
   for the two sides' weights and kernels (WEIGHTS).
@@ -23,12 +23,16 @@ import numpy as np
 from kv_bridge import dtypes
 
 # Allowance for the two sides computing with different weights / kernels, by the decode model's weight precision,
-# added to the wire's measured floor: (relative RMS per head, |gain - 1| per layer, first-layer error per position).
-# Measured by bench/bench_fidelity.py, worst over every canary (docs/kv_bridge.md, "The fidelity canary"): SmolLM2
-# float32 prefill against mlx-lm's own 8-bit 0.037 / 0.003 / 0.012 and 4-bit 0.61 / 0.134 / 0.245; "full" (the same
-# weights, bf16 kernels on one side): the tiny gpt_oss in bf16 against float32 0.178 / 0.018 (a random MoE's expert
-# routing flips on near-ties). Faults are told apart by placement, gain and position, not by this error alone.
-WEIGHTS = {"full": (0.3, 0.05, 0.1), "8": (0.3, 0.05, 0.1), "4": (0.85, 0.18, 0.35)}
+# added to the wire's measured floor: (relative RMS per head, first-layer error per position). Measured by
+# bench/bench_fidelity.py, worst over every canary (docs/kv_bridge.md, "The fidelity canary"): SmolLM2 float32
+# prefill against mlx-lm's own 8-bit 0.048 / 0.012, 4-bit 0.64 / 0.25-0.36; "full" (the same weights, bf16 kernels
+# on one side): the tiny gpt_oss in bf16 against float32 0.178 (a random MoE's expert routing flips on near-ties).
+# Faults are told apart by placement, gain and position, not by this error alone.
+WEIGHTS = {"full": (0.3, 0.1), "8": (0.3, 0.1), "4": (0.85, 0.45)}
+# Gain: noise in MLX's own KV (r = b + n) pulls <b, r> / <r, r> down to 1 / (1 + rel^2), noise in the bridged KV
+# leaves it at 1; so an honest layer's gain lies in [1 / (1 + rel^2), 1] give or take this (4-bit SmolLM2: V layer
+# gains 0.82-0.99, K up to 1.005). A scale fault s > 1 lifts it past 1.
+GAIN = 0.05
 WIRE_FACTOR = 3.0  # the wire's own error may read up to 3x higher on KV the prefill side computed
 TENSORS = ("k", "v")
 
@@ -128,7 +132,7 @@ def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, c
     decode node (a reused prefix), the placement test looks at the ones after."""
     if weights not in WEIGHTS:
         raise ValueError(f"no fidelity allowance for weights {weights!r}; known: {', '.join(WEIGHTS)}")
-    a_rel, a_gain, a_pos = WEIGHTS[weights]
+    a_rel, a_pos = WEIGHTS[weights]
     rows, findings, nearest = [], [], None
     for li, (bl, rl) in enumerate(zip(bridged, reference)):
         row = {"layer": li, "tokens": int(rl["k"].shape[1])}
@@ -137,7 +141,9 @@ def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, c
             floor = head_stats(wire_encode(rl[t], wire, chunk), rl[t])
             tol = WIRE_FACTOR * floor["rel"] + a_rel
             h = int(np.argmax(s["rel"] / tol)) if s["rel"].size else 0
-            gtol = WIRE_FACTOR * abs(floor["gain_layer"] - 1) + a_gain
+            gtol = WIRE_FACTOR * abs(floor["gain_layer"] - 1) + GAIN
+            rel_l = float(np.sqrt(_sq(bl[t] - rl[t]).sum() / max(float(_sq(rl[t]).sum()), 1e-30)))
+            low = 1 / (1 + rel_l ** 2) - gtol  # what noise in MLX's own KV alone does to the gain
             row.update({t: float(s["rel"].max(initial=0.0)), f"{t}_head": h, f"{t}_tol": float(tol[h]),
                         f"{t}_cos": float(s["cos"].min(initial=1.0)), f"{t}_gain": s["gain_layer"],
                         f"{t}_max": s["max"], f"{t}_floor": float(floor["rel"].max(initial=0.0))})
@@ -147,10 +153,11 @@ def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, c
                 nearest = fig
             if fig and fig["value"] > fig["tolerance"]:
                 findings.append({**fig, "what": "error beyond the wire and the weights"})
-            if abs(s["gain_layer"] - 1) > gtol:
+            g = s["gain_layer"]
+            if g > 1 + gtol or g < low:
                 findings.append({"metric": "|gain - 1|", "tensor": t.upper(), "layer": li, "head": None,
-                                 "value": abs(s["gain_layer"] - 1), "tolerance": gtol,
-                                 "what": f"{t.upper()} scaled by {s['gain_layer']:.3g}"})
+                                 "value": abs(g - 1), "tolerance": gtol if g > 1 else 1 - low,
+                                 "what": f"{t.upper()} scaled by {g:.3g}"})
         rows.append(row)
     if bridged:
         for t in TENSORS:  # the first layer: a function of (token, position) only
