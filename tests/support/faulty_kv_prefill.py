@@ -9,7 +9,7 @@ import sys
 from kv_bridge.vllm import layouts
 from kv_bridge.vllm.layouts.cpu import CpuAttnLayout
 
-FAULT = os.environ.get("DISAGG_TEST_KV_FAULT", "")
+FAULT = os.environ.get("DISAGG_TEST_KV_FAULT", "")  # empty: the right adapter, same process shape
 FAULTS = ("kv_swap", "heads", "v_scale", "k_scale", "positions")
 
 
@@ -42,7 +42,7 @@ class FaultyKV(CpuAttnLayout):
         return _values(k, v)
 
 
-if FAULT not in FAULTS:
+if FAULT and FAULT not in FAULTS:
     raise SystemExit(f"DISAGG_TEST_KV_FAULT must be one of {FAULTS}, got {FAULT!r}")
 for key in list(layouts.CPU_ATTN_INTERIORS):
     layouts.CPU_ATTN_INTERIORS[key] = FaultyKV
