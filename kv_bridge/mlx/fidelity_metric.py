@@ -1,0 +1,178 @@
+"""The fidelity canary's metric and rule (numpy, and MLX's fp8 rounding): per layer, tensor and KV head, what the bridged KV reads against
+MLX's own, against what the wire's own encoding of MLX's KV reads, and whether it sits in its own slot at all.
+
+Arrays per layer are (H, T, D) float32 over the positions both caches hold. Three tests, each invariant to an honest
+difference of weights (docs/kv_bridge.md, "The fidelity canary"):
+- placement: each head's KV is nearer MLX's own head than any rival slot (another head, the other tensor, the next
+  or previous layer, K rotated one position more or less). Honest noise has no structure, so its own slot always
+  wins; a swap, a shifted layer or RoPE positions off by one make a rival win. No tolerance.
+- gain: <bridged, mlx> / <mlx, mlx> per layer and tensor (a scale fault: an fp8 scale, V too large), within
+  [1 / (1 + rel^2), 1] (GAIN); cosine is blind to scale, relative RMS mixes it with noise.
+- error: relative RMS per head, and per position of the first layer (a function of token and position alone, so a
+  stale prefix or a misplaced window shows there), against the wire's own error on the same KV plus an allowance
+  for the two sides' weights and kernels (WEIGHTS).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from kv_bridge import dtypes
+
+# Allowance for the two sides computing with different weights / kernels, by the decode model's weight precision,
+# added to the wire's measured floor: (relative RMS per head, first-layer error per position). Measured by
+# bench/bench_fidelity.py, worst over every canary (docs/kv_bridge.md, "The fidelity canary"): SmolLM2 float32
+# prefill against mlx-lm's own 8-bit 0.048 / 0.012, 4-bit 0.64 / 0.25-0.36; "full" (the same weights, bf16 kernels
+# on one side): the tiny gpt_oss in bf16 against float32 0.178 (a random MoE's expert routing flips on near-ties).
+# Faults are told apart by placement, gain and position, not by this error alone.
+WEIGHTS = {"full": (0.3, 0.1), "8": (0.3, 0.1), "4": (0.85, 0.45)}
+# Gain: noise in MLX's own KV (r = b + n) pulls <b, r> / <r, r> down to 1 / (1 + rel^2), noise in the bridged KV
+# leaves it at 1; so an honest layer's gain lies in [1 / (1 + rel^2), 1] give or take this (4-bit SmolLM2: V layer
+# gains 0.82-0.99, K up to 1.005). A scale fault s > 1 lifts it past 1.
+GAIN = 0.05
+WIRE_FACTOR = 3.0  # the wire's own error may read up to 3x higher on KV the prefill side computed
+TENSORS = ("k", "v")
+
+
+def wire_encode(x: np.ndarray, wire: str, chunk: int | None = None) -> np.ndarray:
+    """(H, T, D) float32 as the wire carries it back to float32: bf16 / f16 rounding; fp8 e4m3 scaled per frame
+    (amax / 448 over heads, `chunk` positions a frame as prefill steps send them; one frame when None)."""
+    if wire == "float32":
+        return x
+    if wire == "bfloat16":
+        return dtypes.to_float32(dtypes.to_bfloat16(x), "bfloat16")
+    if wire == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if wire != "float8_e4m3":
+        raise ValueError(f"unknown wire dtype {wire!r}")
+    out, step = np.empty_like(x), chunk or x.shape[1] or 1
+    for s in range(0, x.shape[1], step):
+        part = x[:, s:s + step]
+        scale = max(float(np.abs(part).max()) / dtypes.E4M3_MAX, 1e-12)
+        # MLX's e4m3 rounding (nearest, saturating): the same codes as dtypes.e4m3_encode, ~10x faster
+        out[:, s:s + step] = np.array(mx.from_fp8(mx.to_fp8(mx.array(part / np.float32(scale))), dtype=mx.float32))
+        out[:, s:s + step] *= np.float32(scale)
+    return out
+
+
+def _sq(a: np.ndarray) -> np.ndarray:
+    return (a * a).sum(axis=(-2, -1))
+
+
+def head_stats(b: np.ndarray, r: np.ndarray) -> dict:
+    """Per head of (H, T, D) pairs: relative RMS, cosine, gain; and the old max metric of the whole tensor."""
+    rr, bb, br = _sq(r), _sq(b), (b * r).sum(axis=(-2, -1))
+    d = b - r
+    eps = 1e-30
+    return {"rel": np.sqrt(_sq(d) / np.maximum(rr, eps)), "cos": br / np.sqrt(np.maximum(bb * rr, eps)),
+            "gain_layer": float(br.sum() / max(rr.sum(), eps)),
+            "max": float(np.abs(d).max() / max(float(np.abs(r).max()), eps)) if d.size else 0.0}
+
+
+def position_error(b: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Per position of (H, T, D): the error over heads and channels relative to the layer's RMS position norm."""
+    per = np.sqrt((((b - r) ** 2).sum(axis=(0, 2))))
+    return per / max(float(np.sqrt((r * r).sum(axis=(0, 2)).mean())), 1e-30)
+
+
+def _rel(b: np.ndarray, r: np.ndarray) -> float:
+    return float(np.sqrt(_sq(b - r) / max(float(_sq(r)), 1e-30)))
+
+
+def placement(bridged: list[dict], reference: list[dict], rope: Callable | None) -> dict | None:
+    """The worst misplaced head: {"tensor", "layer", "head", "rival", "value"} where `value` is the rival slot's
+    error over the own slot's (below PLACEMENT it matches the rival better), or None when every head is home.
+    `bridged`/`reference`: per layer {"k", "v"} (H, T, D); rope(x, layer, d): K rotated d positions more."""
+    worst = None
+    for li, (bl, rl) in enumerate(zip(bridged, reference)):
+        shifted = {d: rope(rl["k"], li, d) for d in (1, -1)} if rope is not None else {}
+        for t in TENSORS:
+            other = "v" if t == "k" else "k"
+            for h in range(bl[t].shape[0]):
+                own = _rel(bl[t][h], rl[t][h])
+                rivals = {f"{t.upper()} head {g}": rl[t][g] for g in range(rl[t].shape[0]) if g != h}
+                rivals[f"{other.upper()} head {h}"] = rl[other][h] if rl[other].shape == rl[t].shape else None
+                for nl in (li - 1, li + 1):
+                    if 0 <= nl < len(reference) and reference[nl][t].shape == rl[t].shape:
+                        rivals[f"layer {nl}"] = reference[nl][t][h]
+                if t == "k":
+                    for d, x in shifted.items():
+                        rivals[f"positions {d:+d}"] = x[h]
+                for name, x in rivals.items():
+                    if x is None or x.shape != bl[t][h].shape or own == 0.0:
+                        continue
+                    ratio = _rel(bl[t][h], x) / own
+                    if worst is None or ratio < worst["value"]:
+                        worst = {"tensor": t.upper(), "layer": li, "head": h, "rival": name, "value": ratio}
+    return worst if worst is not None and worst["value"] < PLACEMENT else None
+
+
+PLACEMENT = 0.8  # a rival slot nearer by 20%: honest noise leaves it at >= ~1.0 (it adds to the rival's distance)
+
+
+def arrived(layers: list[dict], start: int) -> list[dict]:
+    """Each layer's positions from `start` on (the ones that arrived as KV after a held prefix); a layer holding
+    only the newest positions (a window) keeps those past `start`."""
+    total = max((r["k"].shape[1] for r in layers), default=0)
+    out = []
+    for r in layers:
+        skip = max(0, start - (total - r["k"].shape[1]))
+        out.append({t: x[:, skip:] for t, x in r.items()})
+    return out
+
+
+def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, chunk: int | None = None,
+          rope: Callable | None = None, start: int = 0) -> dict:
+    """The canary's figures and findings. Returns {"layers": [per-layer row], "findings": [...], "worst": finding}
+    where a finding is {"metric", "tensor", "layer", "head", "value", "tolerance", "what"}; "worst" is the first
+    failing one, or the head nearest its tolerance when none fails. `start`: positions before it were held by the
+    decode node (a reused prefix), the placement test looks at the ones after."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"no fidelity allowance for weights {weights!r}; known: {', '.join(WEIGHTS)}")
+    a_rel, a_pos = WEIGHTS[weights]
+    rows, findings, nearest = [], [], None
+    for li, (bl, rl) in enumerate(zip(bridged, reference)):
+        row = {"layer": li, "tokens": int(rl["k"].shape[1])}
+        for t in TENSORS:
+            s = head_stats(bl[t], rl[t])
+            floor = head_stats(wire_encode(rl[t], wire, chunk), rl[t])
+            tol = WIRE_FACTOR * floor["rel"] + a_rel
+            h = int(np.argmax(s["rel"] / tol)) if s["rel"].size else 0
+            gtol = WIRE_FACTOR * abs(floor["gain_layer"] - 1) + GAIN
+            rel_l = float(np.sqrt(_sq(bl[t] - rl[t]).sum() / max(float(_sq(rl[t]).sum()), 1e-30)))
+            low = 1 / (1 + rel_l ** 2) - gtol  # what noise in MLX's own KV alone does to the gain
+            row.update({t: float(s["rel"].max(initial=0.0)), f"{t}_head": h, f"{t}_tol": float(tol[h]),
+                        f"{t}_cos": float(s["cos"].min(initial=1.0)), f"{t}_gain": s["gain_layer"],
+                        f"{t}_max": s["max"], f"{t}_floor": float(floor["rel"].max(initial=0.0))})
+            fig = {"metric": "rel. RMS", "tensor": t.upper(), "layer": li, "head": h, "value": float(s["rel"][h]),
+                   "tolerance": float(tol[h])} if s["rel"].size else None
+            if fig and (nearest is None or fig["value"] / fig["tolerance"] > nearest["value"] / nearest["tolerance"]):
+                nearest = fig
+            if fig and fig["value"] > fig["tolerance"]:
+                findings.append({**fig, "what": "error beyond the wire and the weights"})
+            g = s["gain_layer"]
+            if g > 1 + gtol or g < low:
+                findings.append({"metric": "|gain - 1|", "tensor": t.upper(), "layer": li, "head": None,
+                                 "value": abs(g - 1), "tolerance": gtol if g > 1 else 1 - low,
+                                 "what": f"{t.upper()} scaled by {g:.3g}"})
+        rows.append(row)
+    if bridged:
+        for t in TENSORS:  # the first layer: a function of (token, position) only
+            b0, r0 = bridged[0][t], reference[0][t]
+            err, floor = position_error(b0, r0), position_error(wire_encode(r0, wire, chunk), r0)
+            tol = WIRE_FACTOR * floor + a_pos
+            if err.size and (err > tol).any():
+                p = int(np.argmax(err - tol))
+                findings.append({"metric": "position error", "tensor": t.upper(), "layer": 0, "head": None,
+                                 "value": float(err[p]), "tolerance": float(tol[p]),
+                                 "what": f"held position {p} of {err.size} is another token's"})
+    findings.sort(key=lambda f: -f["value"] / f["tolerance"])  # the furthest past its tolerance first
+    misplaced = placement(arrived(bridged, start), arrived(reference, start), rope)
+    if misplaced is not None:
+        findings.insert(0, {"metric": "placement", "tensor": misplaced["tensor"], "layer": misplaced["layer"],
+                            "head": misplaced["head"], "value": misplaced["value"], "tolerance": PLACEMENT,
+                            "what": f"matches MLX's {misplaced['rival']} better than its own slot"})
+    return {"layers": rows, "findings": findings, "worst": findings[0] if findings else nearest}

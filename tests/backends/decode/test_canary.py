@@ -1,0 +1,71 @@
+"""The decode node's canary step (backends/decode/canary.py run + verdict) on a tiny llama's real mlx-lm caches, KV as
+the receiver hands it: the whole canary as KV, and through the prefix-reuse path (a held prefix of MLX's own, the KV
+after it appended); a right KV verifies with its head named, a wrong one fails naming layer, head and metric."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kv_bridge.assembly import ReceivedKV
+from tests.support import tiny_models
+
+
+@pytest.fixture(scope="module")
+def node_model(tmp_path_factory):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    path = tiny_models.build("llama", tmp_path_factory.mktemp("llama") / "m")
+    model, _ = load(str(path))
+    return SimpleNamespace(model=model, dtype=mx.float32, kv_bits=None, kv_group_size=64, path=str(path))
+
+
+def _received(model, ids, start, wire="float32", swap=False):
+    """What the receiver hands the canary: KV of ids[start:], computed here by MLX (as vLLM would), via `wire`."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kv_bridge.mlx.cache import cache_kv
+    from kv_bridge.mlx.fidelity_metric import wire_encode
+
+    cache = make_prompt_cache(model)
+    model(mx.array(ids)[None], cache=cache)
+    k, v = cache_kv(cache, len(ids))
+    k, v = (np.stack([wire_encode(x, wire, 32) for x in a[:, :, start:]]) for a in (k, v))
+    if swap:
+        k, v = v, k
+    return ReceivedKV(start, np.ascontiguousarray(k), np.ascontiguousarray(v), k.nbytes, 0.1, wire_dtype=wire)
+
+
+def _drive(gen):
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
+@pytest.mark.parametrize("prefix", [0, 40])
+@pytest.mark.parametrize("wire", ["float32", "float8_e4m3"])
+def test_a_right_kv_verifies_whole_or_appended_to_a_held_prefix(node_model, prefix, wire):
+    from backends.decode.canary import run, verdict
+
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 3000, 100)]
+    kv = _received(node_model.model, ids[:-1], prefix, wire)
+    out = _drive(run(node_model, ids, kv, 3, prefix))
+    v = verdict("m", "decode-0", "float32", wire, len(ids) - 1, out)
+    assert v.state == "verified" and v.findings == [], v.summary()
+    assert v.head is not None and v.metric == "rel. RMS" and v.error <= v.tolerance and v.weights == "full"
+
+
+def test_a_swapped_kv_through_the_prefix_path_fails_and_is_named(node_model):
+    from backends.decode.canary import run, verdict
+
+    ids = [int(t) for t in np.random.default_rng(4).integers(3, 3000, 100)]
+    out = _drive(run(node_model, ids, _received(node_model.model, ids[:-1], 40, swap=True), 3, 40))
+    v = verdict("m", "decode-0", "float32", "float32", len(ids) - 1, out)
+    assert v.state == "failed" and v.metric == "placement" and v.head is not None
+    assert "better than its own slot" in v.message and f"layer {v.layer} head {v.head}" in v.summary()

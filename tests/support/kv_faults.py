@@ -1,0 +1,67 @@
+"""The KV fault catalogue of the fidelity canary (issue #41), as what a wrong layout adapter, wire or cache would
+hand the decode node: functions of the prefill side's per-layer KV [{"k", "v"}: (H, T, D) float32] -> the same."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kv_bridge import dtypes
+
+
+def _each(layers: list[dict], fn) -> list[dict]:
+    return [{t: fn(t, li, x) for t, x in row.items()} for li, row in enumerate(layers)]
+
+
+def kv_swapped(layers, **_):
+    return [{"k": r["v"], "v": r["k"]} for r in layers]
+
+
+def layer_shifted(layers, **_):
+    """Layer i carries layer i+1's KV (the last its own): an off-by-one in the connector's layer index."""
+    return [layers[min(i + 1, len(layers) - 1)] for i in range(len(layers))]
+
+
+def heads_swapped(layers, **_):
+    """KV heads 0 and 1 exchanged in every layer (a head stride misread)."""
+    return _each(layers, lambda t, li, x: x[[1, 0, *range(2, x.shape[0])]])
+
+
+def rope_off_by_one(layers, rope: Callable | None = None, **_):
+    """K rotated as if every position were one more (a position offset in the prefill)."""
+    return [{"k": rope(r["k"], li, 1), "v": r["v"]} for li, r in enumerate(layers)]
+
+
+def window_misplaced(layers, shift: int = 8, **_):
+    """Every held position carries the KV of `shift` positions earlier (a sliding window cut at the wrong start)."""
+    return _each(layers, lambda t, li, x: np.concatenate([x[:, :shift], x[:, :-shift]], axis=1))
+
+
+def dtype_misread(layers, **_):
+    """bfloat16 bytes read as float16."""
+    return _each(layers, lambda t, li, x: dtypes.to_bfloat16(x).view(np.float16).astype(np.float32))
+
+
+def fp8_scale_off(layers, **_):
+    """K's fp8 scale 25% too large in every frame."""
+    return [{"k": r["k"] * 1.25, "v": r["v"]} for r in layers]
+
+
+def v_too_large(layers, **_):
+    return [{"k": r["k"], "v": r["v"] * 1.2} for r in layers]
+
+
+def stale_prefix(layers, other: list[dict] | None = None, **_):
+    """The first half of the positions hold another prompt's KV (a decode node's held prefix that is not this
+    prompt's): `other` is that prompt's KV, same geometry."""
+    def mix(t, li, x):
+        n = x.shape[1] // 2
+        return np.concatenate([other[li][t][:, :n], x[:, n:]], axis=1)
+    return _each(layers, mix)
+
+
+FAULTS = {"K/V swapped": kv_swapped, "layer shifted by one": layer_shifted, "KV heads 0/1 swapped": heads_swapped,
+          "RoPE positions +1": rope_off_by_one, "window misplaced by 8": window_misplaced,
+          "bf16 read as f16": dtype_misread, "fp8 K scale x1.25": fp8_scale_off, "V x1.2": v_too_large,
+          "stale prefix": stale_prefix}
