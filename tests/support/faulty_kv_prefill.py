@@ -1,4 +1,5 @@
-"""A prefill node whose CPU KV layout adapter hands out a wrong KV, the fault named by DISAGG_TEST_KV_FAULT: kv_swap
+"""A prefill node whose CPU KV layout adapter hands out a wrong KV, the fault named by DISAGG_TEST_KV_FAULT (or, read
+at every gather so one engine serves every fault, the file DISAGG_TEST_KV_FAULT_FILE names): kv_swap
 (K for V), heads (KV heads 0 and 1 exchanged), v_scale (V 20% too large), k_scale (K 25% too large: an fp8 scale
 off by 25%), positions (each block's positions read one slot early). Shapes unchanged, checksums pass. Run as a
 script in place of `python -m backends.cli.main` (Stack.launchers), through the public layout registry."""
@@ -9,41 +10,54 @@ import sys
 from kv_bridge.vllm import layouts
 from kv_bridge.vllm.layouts.cpu import CpuAttnLayout
 
-FAULT = os.environ.get("DISAGG_TEST_KV_FAULT", "")  # empty: the right adapter, same process shape
 FAULTS = ("kv_swap", "heads", "v_scale", "k_scale", "positions")
+FAULT_FILE = os.environ.get("DISAGG_TEST_KV_FAULT_FILE")
 
 
-def _values(k, v):
-    if FAULT == "kv_swap":
+def fault() -> str:
+    """The fault now: the file's content where one is named, else the environment's; empty: the right adapter."""
+    if FAULT_FILE:
+        with open(FAULT_FILE) as f:
+            name = f.read().strip()
+    else:
+        name = os.environ.get("DISAGG_TEST_KV_FAULT", "")
+    if name and name not in FAULTS:
+        raise SystemExit(f"DISAGG_TEST_KV_FAULT must be one of {FAULTS}, got {name!r}")
+    return name
+
+
+def _values(k, v, name):
+    if name == "kv_swap":
         return v, k
-    if FAULT == "v_scale":
+    if name == "v_scale":
         return k, v * 1.2
-    if FAULT == "k_scale":
+    if name == "k_scale":
         return k * 1.25, v
     return k, v
 
 
 class FaultyKV(CpuAttnLayout):
     def rows(self, kv_layer, b, h, o):  # index arrays (torch or numpy) of the entries gathered -> (N, D) each
-        if FAULT == "heads":
+        name = fault()
+        if name == "heads":
             h = h * 1
             h[h == 0], h[h == 1] = -1, 0
             h[h == -1] = 1
-        if FAULT == "positions":
+        if name == "positions":
             o = o - (o > 0) * 1
-        return _values(*super().rows(kv_layer, b, h, o))
+        return _values(*super().rows(kv_layer, b, h, o), name)
 
     def gather(self, kv_layer, block_ids, start, end):  # (H, n, D) each
         k, v = super().gather(kv_layer, block_ids, start, end)
-        if FAULT == "heads":
+        name = fault()
+        if name == "heads":
             k, v = (x[[1, 0, *range(2, x.shape[0])]] for x in (k, v))
-        if FAULT == "positions":
+        if name == "positions":
             k, v = (x[:, [0, *range(x.shape[1] - 1)]] for x in (k, v))
-        return _values(k, v)
+        return _values(k, v, name)
 
 
-if FAULT and FAULT not in FAULTS:
-    raise SystemExit(f"DISAGG_TEST_KV_FAULT must be one of {FAULTS}, got {FAULT!r}")
+fault()  # a wrong name fails the start, not the first transfer
 for key in list(layouts.CPU_ATTN_INTERIORS):
     layouts.CPU_ATTN_INTERIORS[key] = FaultyKV
 
