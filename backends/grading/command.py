@@ -89,8 +89,7 @@ def _print_prediction(p: dict, n: int, concurrency: str) -> None:
 
 
 def _gateway_url(settings: Settings) -> str:
-    host = settings.gateway.host
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{settings.gateway.port}"
+    return settings.gateway.url()
 
 
 class Calibration:
