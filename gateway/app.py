@@ -145,10 +145,12 @@ def listen_sockets(settings: Settings) -> list[socket.socket]:
         except OSError as e:
             for s in out:
                 s.close()
-            what = "gateway.ollama_port (is Ollama itself still running?)" if port == settings.gateway.ollama_port \
-                else "gateway.port"
-            raise ConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror}; stop what holds it "
-                              f"(ss -ltnp 'sport = :{port}') or change {what.split(' ')[0]}") from None
+            ollama = port == settings.gateway.ollama_port
+            what = "gateway.ollama_port" if ollama else "gateway.port"
+            hint = "Ollama itself still running? stop it (systemctl stop ollama, or quit the Ollama app); " \
+                if ollama else ""
+            raise ConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror}; {hint}stop what holds it "
+                              f"(ss -ltnp 'sport = :{port}') or change {what}") from None
     return out
 
 
