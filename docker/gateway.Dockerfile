@@ -16,9 +16,9 @@ COPY gateway ./gateway
 RUN pip install --no-cache-dir ".[gateway]" \
  && python -c "import sys, gateway.app; heavy = {'torch', 'vllm', 'mlx'} & set(sys.modules); assert not heavy, heavy"
 
-ENV DISAGG_CONFIG=/opt/disagg/config.toml \
-    DISAGG_GATEWAY__HOST=0.0.0.0
-EXPOSE 8000
+# The config's [gateway] host and ports decide where it listens (compose runs it with host networking).
+ENV DISAGG_CONFIG=/opt/disagg/config.toml
+EXPOSE 8000 11434
 # Numeric: compose runs it as the owner of /opt/disagg on the host (DISAGG_UID/GID) so it reads the 0600 secrets.
 USER 10001:10001
 ENTRYPOINT ["disagg", "gateway"]

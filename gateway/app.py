@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from typing import AsyncIterator
 
 import aiohttp
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kv_bridge.config.auth import AuthConfig
 from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.settings import Settings
+from kv_bridge.config.source import ConfigError
 
 from gateway import auth
 from gateway.api import boundary
@@ -116,7 +118,8 @@ def create_app(settings: Settings) -> web.Application:
     keys = auth.api_keys(settings.auth)
     auth.warn_exposure(settings, has_keys=keys is not None)
     # The root app's own errors (unknown paths too) answer in OpenAI's shape, as every non-Ollama path always did.
-    app = web.Application(middlewares=boundary.middlewares(OPENAI, keys, _open_handlers(settings.auth)),
+    root_keys = None if keys is None else keys.for_api(settings.auth, "root")
+    app = web.Application(middlewares=boundary.middlewares(OPENAI, root_keys, _open_handlers(settings.auth)),
                           client_max_size=MAX_BODY_BYTES)  # the root app reads every body, sub-apps' too
     app[STATE] = state
     app[auth.NODE_HEADERS] = auth.node_headers(settings.auth)
@@ -124,16 +127,39 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/fidelity", fidelity)
-    for api in APIS:
-        api.mount(app, state, keys)
+    for api in APIS:  # each API's keys let in the networks auth.keyless_networks names for it
+        name = api.__name__.split(".")[-2]  # gateway.api.<name>.api_router
+        api.mount(app, state, None if keys is None else keys.for_api(settings.auth, name))
     return app
 
 
+def listen_sockets(settings: Settings) -> list[socket.socket]:
+    """A listening socket per gateway address (its port, and Ollama's when gateway.ollama_port is set); raises
+    ConfigError naming the address another process holds."""
+    out = []
+    for host, port in settings.gateway.listen():
+        six = ":" in host
+        try:
+            out.append(socket.create_server((host, port), family=socket.AF_INET6 if six else socket.AF_INET,
+                                            backlog=128, dualstack_ipv6=six and host == "::"))
+        except OSError as e:
+            for s in out:
+                s.close()
+            ollama = port == settings.gateway.ollama_port
+            what = "gateway.ollama_port" if ollama else "gateway.port"
+            hint = "Ollama itself still running? stop it (systemctl stop ollama, or quit the Ollama app); " \
+                if ollama else ""
+            raise ConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror}; {hint}stop what holds it "
+                              f"(ss -ltnp 'sport = :{port}') or change {what}") from None
+    return out
+
+
 def serve(settings: Settings) -> None:
-    """Run the gateway on settings.gateway.host:port until SIGINT/SIGTERM."""
+    """Run the gateway on every address of settings.gateway.listen() until SIGINT/SIGTERM."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    host, port = settings.gateway.host, settings.gateway.port
-    log.info("gateway serving %s on http://%s:%d", [m.id for m in settings.models], host, port)
-    web.run_app(app, host=host, port=port, print=None, access_log=logging.getLogger("gateway.access"))
+    socks = listen_sockets(settings)
+    log.info("gateway serving %s on %s", [m.id for m in settings.models],
+             ", ".join(f"http://{h}:{p}" for h, p in settings.gateway.listen()))
+    web.run_app(app, sock=socks, print=None, access_log=logging.getLogger("gateway.access"))

@@ -2,7 +2,8 @@
 
 No keys configured: the gateway is open, as it always was. With keys, every route needs
 `Authorization: Bearer <key>` except /health and / (unless auth.protect_health) and /metrics (unless
-auth.protect_metrics); gateway.api.boundary checks it on each app and answers 401 in that app's error shape.
+auth.protect_metrics), and but callers from auth.keyless_networks on the APIs auth.keyless_apis names (Ollama clients
+send no key); gateway.api.boundary checks it on each app and answers 401 in that app's error shape.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from typing import Callable
 
 from aiohttp import web
 
@@ -34,13 +36,27 @@ class AuthenticationError(APIError):
 
 
 class APIKeys:
-    """The accepted keys, kept as SHA-256 digests and compared in constant time."""
+    """The accepted keys, kept as SHA-256 digests and compared in constant time; `keyless(address)` says whether a
+    TCP peer may call this app without one."""
 
-    def __init__(self, keys: list[str]):
+    def __init__(self, keys: list[str], keyless: Callable[[str | None], bool] | None = None):
         self._digests = [_digest(k) for k in keys]
+        self._keyless = keyless
 
-    def check(self, authorization: str | None) -> str | None:
-        """None when `authorization` is `Bearer <an accepted key>`; otherwise "missing" or "invalid"."""
+    def for_api(self, cfg: AuthConfig, api: str) -> "APIKeys":
+        """The same keys for API `api` (a gateway/api package's name, "root" for the gateway's own routes), letting
+        in keyless the networks auth.keyless_networks names for it."""
+        out = APIKeys([])
+        out._digests = self._digests
+        if cfg.keyless_for(api):
+            out._keyless = lambda address: cfg.keyless_allows(address, api)
+        return out
+
+    def check(self, authorization: str | None, remote: str | None = None) -> str | None:
+        """None when `authorization` is `Bearer <an accepted key>`, or when the peer `remote` may call keyless (any
+        header then: an OpenAI client must send some key, often "ollama"); otherwise "missing" or "invalid"."""
+        if self._keyless is not None and self._keyless(remote):
+            return None
         scheme, _, key = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return "missing"
@@ -85,8 +101,11 @@ def warn_exposure(settings: Settings, has_keys: bool) -> None:
     """Say loudly what anyone on the network could do with this configuration (nodes refuse it themselves)."""
     gw = settings.gateway
     if not has_keys and not is_loopback(gw.host):
-        log.warning("gateway listens on %s:%d without API keys: anyone who reaches it can use it; set [auth] "
-                    "api_keys (or DISAGG_AUTH__API_KEYS, or api_keys_file)", gw.host, gw.port)
+        log.warning("gateway listens on %s:%s without API keys: anyone who reaches it can use it; set [auth] "
+                    "api_keys (or DISAGG_AUTH__API_KEYS, or api_keys_file)", gw.host, gw.ports())
+    if has_keys and settings.auth.keyless_networks:
+        log.info("keyless callers: %s on %s", [str(n) for n in settings.auth.keyless_networks],
+                 ", ".join(settings.auth.keyless_apis))
     if settings.auth.node_secret is None and settings.auth.node_secret_file is None:
         remote = [n.name for n in settings.nodes if not is_loopback(n.host)]
         if remote:

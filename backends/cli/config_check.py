@@ -35,17 +35,19 @@ class Report:
     kv_capacity: list[dict] = field(default_factory=list)  # per model whose folder is here: KV a decode node holds
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    firewall: list[str] = field(default_factory=list)  # ufw lines per Linux machine, from the config's ports
 
     def to_json(self) -> dict:
-        return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings,
+        return {"machines": self.machines, "errors": self.errors, "warnings": self.warnings, "firewall": self.firewall,
                 "budgets": [{"node": b.node, "memory_gib": dict(b.memory), "available_gib": b.available_gib,
                              "disk_gib": dict(b.disk), "disk_available_gib": b.disk_gib, "notes": b.notes,
                              "grading_capacity": b.capacity} for b in self.budgets],
                 "kv_capacity": self.kv_capacity}
 
 
-def check(settings: Settings, config: Path) -> Report:
-    """Everything the pydantic schema cannot see alone: each machine's role, addresses, models and the cross checks."""
+def check(settings: Settings, config: Path, docker: Path | None = None) -> Report:
+    """Everything the pydantic schema cannot see alone: each machine's role, addresses, models and the cross checks;
+    with `docker` (a folder), its compose file and Prometheus targets against the config (backends/cli/deploy_check.py)."""
     rep = Report()
     rep.machines.append(_gateway(settings))
     for node in settings.nodes:
@@ -55,14 +57,31 @@ def check(settings: Settings, config: Path) -> Report:
     _check_models(settings, config, rep)
     _check_prefill_memory(settings, rep)
     rep.budgets = budgets(settings, config, rep.errors, rep.warnings)
+    _check_docker(settings, docker, rep)
     return rep
+
+
+def _check_docker(s: Settings, docker: Path | None, rep: Report) -> None:
+    from backends.cli import deploy_check
+
+    rep.firewall = deploy_check.firewall(s)
+    if docker is None and (Path("docker") / "compose.yaml").is_file():
+        docker = Path("docker")  # run from the repository root, as the guide does
+    if docker is None:
+        rep.warnings.append("docker/compose.yaml not here: run from the repository root (or pass --docker DIR) to "
+                            "check the compose file's ports and the Prometheus targets against this config")
+        return
+    errors, warnings = deploy_check.check_docker(s, docker)
+    rep.errors += errors
+    rep.warnings += warnings
 
 
 def _gateway(s: Settings) -> dict:
     models = {m.id: m.aliases for m in s.models}
     run = "disagg gateway" if is_loopback(s.gateway.host) else GATEWAY_RUN
-    return {"machine": f"{s.gateway.host}:{s.gateway.port}", "role": "gateway", "name": "gateway", "run": run,
-            "http": f"http://{s.gateway.host}:{s.gateway.port}", "kv": "-", "models": models}
+    listen = ", ".join(f"{h}:{p}" for h, p in s.gateway.listen())
+    return {"machine": listen, "role": "gateway", "name": "gateway", "run": run, "http": s.gateway.url(),
+            "ollama": s.gateway.url(ollama=True) if s.gateway.ollama_port else None, "kv": "-", "models": models}
 
 
 def _node(s: Settings, node: NodeConfig) -> dict:
@@ -105,7 +124,9 @@ def _check_auth(s: Settings, rep: Report) -> None:
 
 
 def _check_addresses(s: Settings, rep: Report) -> None:
-    seen: dict[tuple[str, int], str] = {(s.gateway.host, s.gateway.port): "gateway"}
+    # a wildcard gateway holds its ports on its machine's own address too (a Spark it shares with a node)
+    seen: dict[tuple[str, int], str] = {(h, p): "gateway" for h, p in s.gateway.listen()}
+    seen |= {(s.gateway.reach_host(), p): "gateway" for p in s.gateway.ports()}
     for node in s.nodes:
         ports = [(node.host, node.port, "HTTP")]
         if node.kv_port is not None:
@@ -302,6 +323,9 @@ def render(rep: Report, settings: Settings) -> str:
                   f"({c['max_model_len']} tokens) is {c['full_context_gib']:.2f} GiB: {c['full_context_in_flight']} "
                   f"at once" for c in rep.kv_capacity]
     lines += ["", "START"] + [f"  {m['name']}: {m['run']}" for m in rep.machines]
+    if rep.firewall:
+        lines += ["", "FIREWALL (inbound TCP, Linux machines; Macs: the application firewall, docs/deploy.md)"]
+        lines += rep.firewall
     lines += [f"ERROR: {e}" for e in rep.errors] + [f"warning: {w}" for w in rep.warnings]
     lines.append("config OK" if not rep.errors else f"{len(rep.errors)} error(s)")
     return "\n".join(lines)
@@ -312,7 +336,7 @@ def _table(rows: list[tuple]) -> list[str]:
     return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def main(settings: Settings, config: Path, as_json: bool = False) -> int:
-    rep = check(settings, config)
+def main(settings: Settings, config: Path, as_json: bool = False, docker: Path | None = None) -> int:
+    rep = check(settings, config, docker)
     print(json.dumps(rep.to_json(), indent=2) if as_json else render(rep, settings))
     return 2 if rep.errors else 0

@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     chk = cfg.add_parser("check", help="validate FILE and print what each machine will run")
     chk.add_argument("config", type=Path, metavar="FILE", help="the config file (e.g. examples/site.toml)")
     chk.add_argument("--json", action="store_true", help="machine-readable output")
+    chk.add_argument("--docker", type=Path, metavar="DIR", help="check DIR/compose.yaml and DIR/prometheus/"
+                     "prometheus.yml against FILE (default: ./docker when run from the repository root)")
     chk.set_defaults(func=_cmd_config_check)
 
     st = sub.add_parser("status", parents=[common], help="one table for the whole site: every node's health, "
@@ -135,7 +137,7 @@ def _cmd_up(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_config_check(settings: Settings, args: argparse.Namespace) -> int:
     from backends.cli import config_check
 
-    return config_check.main(settings, args.config, args.json)
+    return config_check.main(settings, args.config, args.json, docker=args.docker)
 
 
 def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:

@@ -163,7 +163,7 @@ async def _fidelity(http, s: Settings, up: set[str], headers: dict) -> list[Verd
     keys = s.auth.client_keys()
     gw = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     try:
-        async with http.post(f"http://{s.gateway.host}:{s.gateway.port}/fidelity", headers=gw) as r:
+        async with http.post(f"{s.gateway.url()}/fidelity", headers=gw) as r:
             if r.status == 200:
                 out = []
                 for row in (await r.json())["pairs"]:
@@ -190,7 +190,7 @@ async def _queue(http, s: Settings) -> dict | None:
     keys = s.auth.client_keys()
     gw = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     try:
-        async with http.get(f"http://{s.gateway.host}:{s.gateway.port}/health", headers=gw) as r:
+        async with http.get(f"{s.gateway.url()}/health", headers=gw) as r:
             return (await r.json()).get("queue")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
         return None

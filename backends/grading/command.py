@@ -18,6 +18,7 @@ from backends.grading import replay as grading
 from backends.grading import cpu as grading_cpu
 from backends.grading import predict as gp
 from backends.grading import rates as grading_rates
+from backends.grading import timeout as grading_timeout
 from backends.site.second_gateway import SecondGateway
 
 
@@ -27,8 +28,10 @@ def add_parser(sub, common) -> None:
     g.add_argument("--scale", type=float, default=1.0, help="prompt lengths (6k-25k) and num_predict (2000-3500) "
                    "times this (a small site: e.g. 0.05)")
     g.add_argument("--num-predict-scale", type=float, default=None, help="num_predict times this (default: --scale)")
-    g.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight (default: the app's, one per model)")
+    g.add_argument("--concurrency", type=_concurrencies, default=None, help="requests in flight, or a list (2,4,8): "
+                   "the class at each, its latencies against --app-timeout (default: the app's, one per model)")
+    g.add_argument("--app-timeout", type=float, default=grading.CLIENT_TIMEOUT_S, help="the app's client timeout (s) "
+                   "each request's latency is reported against (default 300)")
     g.add_argument("--models", help="analysis,feedback model ids (default: the config's [[models]] in order)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--url", help="the gateway (default: the config's [gateway] address)")
@@ -53,6 +56,13 @@ def add_parser(sub, common) -> None:
     g.set_defaults(func=main)
 
 
+def _concurrencies(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency wants positive integers, e.g. 2 or 2,4,8; got {text!r}")
+    return sorted(set(values))
+
+
 def _calls_for_sim(calls: list[grading.Call], share: dict[str, float] | None = None) -> list[gp.Call]:
     """The replay's calls for the simulation: each answer `share` of its num_predict (per model; default all)."""
     share = share or {}
@@ -73,7 +83,9 @@ def predict(settings: Settings, base: Path, args) -> dict:
                              getattr(args, "num_predict_scale", None))
     out = {}
     for mode in ("split", "mac-alone"):
-        out[mode] = gp.summary(gp.simulate(site, _calls_for_sim(calls), mode))
+        outcomes = gp.simulate(site, _calls_for_sim(calls), mode)
+        out[mode] = gp.summary(outcomes)
+        out[mode]["latency"] = grading_timeout.predicted(outcomes, getattr(args, "app_timeout", grading.CLIENT_TIMEOUT_S))
     out["ratio"] = round(out["mac-alone"]["makespan_s"] / max(out["split"]["makespan_s"], 1e-9), 2)
     return out
 
@@ -86,11 +98,12 @@ def _print_prediction(p: dict, n: int, concurrency: str) -> None:
         print(f"  {mode:>9}: makespan {s['makespan_s']:.0f} s ({s['makespan_s'] / 60:.1f} min); request-seconds: "
               f"{terms}; dominant: {s['dominant']}")
     print(f"  Mac-alone / split: {p['ratio']:.2f}x")
+    for mode in ("split", "mac-alone"):
+        print(grading_timeout.line(p["concurrency"], p[mode]["latency"], f" {mode:>9}"))
 
 
 def _gateway_url(settings: Settings) -> str:
-    host = settings.gateway.host
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{settings.gateway.port}"
+    return settings.gateway.url()
 
 
 class Calibration:
@@ -150,7 +163,7 @@ def _calibrate(replay: grading.Replay, calls: list[grading.Call], cpu: bool) -> 
 
 
 def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode: str,
-         share: dict[str, float]) -> dict:
+         share: dict[str, float], concurrency: int = 2, app_timeout: float = grading.CLIENT_TIMEOUT_S) -> dict:
     predicted = gp.summary(gp.simulate(site, _calls_for_sim(calls, share), mode), site.shared)
     print(f"{mode}: predicted makespan {predicted['makespan_s']:.1f} s (dominant: {predicted['dominant']}); "
           f"replaying {len(calls)} requests", flush=True)
@@ -171,7 +184,11 @@ def _run(replay: grading.Replay, calls: list[grading.Call], site: gp.Site, mode:
     for r in results:
         what = r.error or f"{r.path:>13} on {r.node:<8} {r.prompt_tokens:>6} in {r.output_tokens:>5} out"
         print(f"  s{r.submission:02d} {r.role:<8} {r.model:<16} {r.latency:7.1f} s  queued {r.queue_s:5.1f}  {what}")
+    latency = grading_timeout.measured(results, app_timeout)
+    print(grading_timeout.line(concurrency, latency, f" {mode}"))
     return {"mode": mode, "predicted": predicted, "measured": m, "measured_over_predicted": round(ratio, 3),
+            "latency": latency, "predicted_latency": grading_timeout.predicted(gp.simulate(
+                site, _calls_for_sim(calls, share), mode), app_timeout),
             "predicted_given_lengths": posterior,
             "requests": grading.result_rows(results)}
 
@@ -199,13 +216,34 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the report
     base = Path(args.config).resolve().parent
     models = _models(settings, args)
-    conc = str(args.concurrency or f"{len(models)} (the app's)")
+    levels = args.concurrency or [len(models)]  # the app's: one per model
     if args.predict:
-        p = predict(settings, base, args)
-        _print_prediction(p, args.submissions, conc)
-        args.json.write_text(json.dumps({"predict": p, "submissions": args.submissions, "scale": args.scale,
-                                         "config": str(args.config)}, indent=1))
+        runs = {}
+        for c in levels:
+            args.concurrency = c
+            runs[c] = p = predict(settings, base, args)
+            p["concurrency"] = c
+            _print_prediction(p, args.submissions, f"{c}" + (" (the app's)" if c == len(models) else ""))
+        within = {c: p["split"]["latency"] for c, p in runs.items()}
+        print(grading_timeout.verdict(within, args.app_timeout))
+        args.json.write_text(json.dumps({"predict": runs[levels[0]], "by_concurrency": runs, "submissions":
+                                         args.submissions, "scale": args.scale, "config": str(args.config),
+                                         "app_timeout_s": args.app_timeout,
+                                         "highest_within_timeout": grading_timeout.highest_within(within)}, indent=1))
         return 0
+    if len(levels) > 1:  # the replay: the class once per concurrency, each against the app's timeout
+        results, status = {}, 0
+        for c in levels:
+            args.concurrency = [c]
+            args.json = args.json.with_name(f"{args.json.stem.split('.c')[0]}.c{c}{args.json.suffix}")
+            if str(args.png) not in ("", "."):
+                args.png = args.png.with_name(f"{args.png.stem.split('.c')[0]}.c{c}{args.png.suffix}")
+            status |= main(settings, args)
+            results[c] = json.loads(args.json.read_text())["runs"][0]["latency"]
+        print("\n".join(grading_timeout.line(c, r) for c, r in results.items()))
+        print(grading_timeout.verdict(results, args.app_timeout))
+        return status
+    args.concurrency = levels[0]
     key = args.api_key or next(iter(settings.auth.client_keys()), None)
     replay = grading.Replay(args.url or _gateway_url(settings), key, not args.no_progress, args.timeout)
     calls = grading.workload(args.submissions, models, args.scale, args.seed, args.concurrency,
@@ -225,7 +263,7 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
     print(f"measured by {args.calibration} submission(s) outside the class (tokens/s; the share of num_predict an "
           "answer used): "
           + _rates_line(measured_rates))
-    runs = [_run(replay, calls, site, "split", share)]
+    runs = [_run(replay, calls, site, "split", share, args.concurrency, args.app_timeout)]
     if args.baseline == "mac-alone":
         with SecondGateway(args.config, args.json.with_suffix(".mac-alone-gateway.log"), mac_alone=True) as gw:
             alone = grading.Replay(gw.url, key, not args.no_progress, args.timeout)
@@ -243,11 +281,12 @@ def main(settings: Settings, args: argparse.Namespace) -> int:
                       for m in models}
             alone_site = grading_rates.learned_site(settings, base, health, merged, site.batch_cost)
             alone_site.shared = _shared(args, local_cal, one_machine)
-            runs.append(_run(alone, calls, alone_site, "mac-alone", share))
+            runs.append(_run(alone, calls, alone_site, "mac-alone", share, args.concurrency, args.app_timeout))
         ratio = runs[1]["measured"]["makespan_s"] / max(runs[0]["measured"]["makespan_s"], 1e-9)
         predicted = runs[1]["predicted"]["makespan_s"] / max(runs[0]["predicted"]["makespan_s"], 1e-9)
         print(f"Mac-alone / split, measured: {ratio:.2f}x (predicted {predicted:.2f}x)")
-    result = {"submissions": args.submissions, "scale": args.scale, "concurrency": args.concurrency or len(models),
+    result = {"submissions": args.submissions, "scale": args.scale, "concurrency": args.concurrency,
+              "app_timeout_s": args.app_timeout,
               "models": models, "calibrated_rates": measured_rates, "runs": runs,
               "one_machine": {"shared": site.shared, "cpu_s": round(cal.cpu_s, 2), "busy_s": round(cal.busy_s, 2),
                               "cores": grading_cpu.cores()} if one_machine else None}

@@ -77,7 +77,7 @@ def key_middleware(keys: APIKeys, open_handlers: Collection = ()):
     @web.middleware
     async def require_api_key(request: web.Request, handler) -> web.StreamResponse:
         if mine(request) and request.match_info.handler not in open_handlers:
-            problem = keys.check(request.headers.get("Authorization"))
+            problem = keys.check(request.headers.get("Authorization"), request.remote)
             if problem is not None:
                 raise refusal(problem)  # the error middleware, outside this one, writes it in the API's shape
         return await handler(request)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, Field, IPvAnyNetwork, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from kv_bridge.config.source import ConfigError, read_secret_file
@@ -36,6 +37,15 @@ class AuthConfig(BaseModel):
     node_secret_file: Path | None = Field(default=None, description="the node secret, read from this file")
     kv_frame_mac: bool = Field(default=True, description="MAC every KV frame, not only the stream header")
     insecure_nodes: bool = Field(default=False, description="let a node listen beyond loopback without a secret")
+    # Ollama clients send no key (the lab's app among them). The source address is the TCP peer the gateway sees:
+    # run its container with host networking (docker/compose.yaml); a published port's userland proxy would show
+    # every client as the Docker bridge's address (docs/security.md, "Keyless clients").
+    keyless_networks: list[IPvAnyNetwork] = Field(default_factory=list, description="client networks (CIDRs) that "
+                                                  "may call keyless_apis without a key; everyone else still needs one")
+    keyless_apis: list[Literal["ollama", "openai", "anthropic", "all"]] = Field(
+        default_factory=lambda: ["ollama"], description="the APIs keyless_networks may call without a key: "
+        "\"ollama\" (/api/*), \"openai\" (/v1/*), \"anthropic\" (/v1/messages), or \"all\" (every route, the "
+        "gateway's own /fidelity and vLLM's /tokenize too)")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -58,6 +68,33 @@ class AuthConfig(BaseModel):
         if self.node_secret is not None:
             check_secret(self.node_secret.get_secret_value(), "auth.node_secret")
         return self
+
+    @field_validator("keyless_networks")
+    @classmethod
+    def _networks(cls, nets: list) -> list:
+        for net in nets:
+            if net.prefixlen == 0:
+                raise ValueError(f"auth.keyless_networks: {net} is every address; leave api_keys out instead (the "
+                                 f"gateway is open without keys) or name the app's own network")
+        return nets
+
+    def keyless_for(self, api: str) -> list:
+        """The networks that may call API `api` (a gateway/api package's name; "root" for the gateway app's own routes:
+        /health, /metrics, /fidelity, /tokenize) without a key."""
+        return list(self.keyless_networks) if ("all" in self.keyless_apis or api in self.keyless_apis) else []
+
+    def keyless_allows(self, address: str | None, api: str) -> bool:
+        """`address` (a TCP peer; IPv4-mapped IPv6 counts as its IPv4) lies in a network keyless for `api`."""
+        nets = self.keyless_for(api)
+        if not nets or not address:
+            return False
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip.version == n.version and ip in n for n in nets)
 
     def client_keys(self) -> list[str]:
         """Every accepted API key: api_keys plus api_keys_file's lines. Raises ConfigError for an unreadable file."""

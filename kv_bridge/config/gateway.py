@@ -3,7 +3,10 @@ learned rates, prefill admission, timeouts). Part of config.toml's schema (kv_br
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+OLLAMA_PORT = 11434  # where every Ollama client looks by default (OLLAMA_HOST unset)
+WILDCARDS = ("0.0.0.0", "::", "")
 
 
 class RatesConfig(BaseModel):
@@ -48,6 +51,12 @@ class QueueConfig(BaseModel):
 class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    ollama_port: int | None = Field(default=None, ge=1, le=65535, description="also listen on this port (Ollama's "
+                                    "11434), same host, same app: an Ollama client that never heard of the gateway "
+                                    "reaches it where Ollama was (docs/deploy.md, the app's switch-over)")
+    advertise_host: str | None = Field(default=None, description="the address other machines reach the gateway at "
+                                       "when host is a wildcard (0.0.0.0): `disagg status`, doctor, the guide's "
+                                       "firewall lines and Prometheus use it; default host, or 127.0.0.1 for 0.0.0.0")
     request_timeout_s: float = Field(default=600.0, gt=0)
     health_interval_s: float = Field(default=2.0, gt=0)
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After (seconds) on 429 answers at capacity")
@@ -62,3 +71,29 @@ class GatewayConfig(BaseModel):
     rates: RatesConfig = RatesConfig()
     admission: AdmissionConfig = AdmissionConfig()
     queue: QueueConfig = QueueConfig()
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "GatewayConfig":
+        if self.ollama_port == self.port:
+            raise ValueError(f"gateway.ollama_port {self.ollama_port} is gateway.port too; leave ollama_port out "
+                             f"(port alone) or give it Ollama's {OLLAMA_PORT}")
+        return self
+
+    def listen(self) -> list[tuple[str, int]]:
+        """Every (host, port) the gateway listens on: its own port, then Ollama's when set."""
+        return [(self.host, p) for p in (self.port, self.ollama_port) if p is not None]
+
+    def ports(self) -> list[int]:
+        return [p for _, p in self.listen()]
+
+    def reach_host(self) -> str:
+        """The address a client reaches the gateway at: advertise_host, host, or loopback for a wildcard host."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in WILDCARDS else self.host
+
+    def url(self, ollama: bool = False) -> str:
+        """http://HOST:PORT a client uses (Ollama's port with `ollama` when one is set)."""
+        port = self.ollama_port if ollama and self.ollama_port else self.port
+        host = self.reach_host()
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"

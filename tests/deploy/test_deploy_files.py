@@ -136,14 +136,17 @@ def test_prometheus_config_and_rules_validate():
     assert "SUCCESS" in out
     assert "5 rules found" in promtool("check", "rules", str(DOCKER / "prometheus" / "alerts.yml"))
     scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
-    assert scrape[0]["static_configs"][0]["targets"] == ["gateway:8000"]  # the compose service name and port
+    # Prometheus shares the gateway's machine and its host networking: the gateway on loopback at its own port
+    assert scrape[0]["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
+    assert compose()["services"]["prometheus"]["network_mode"] == "host"
 
 
 def test_prometheus_scrapes_every_node_of_the_site():
-    """One target per [[nodes]] entry of examples/site.toml at its HTTP address, labelled with its name."""
+    """One target per [[nodes]] entry of examples/site-seeds.toml (the guide's main path) at its HTTP address,
+    labelled with its name."""
     from kv_bridge.config.settings import load_config
 
-    site = load_config(ROOT / "examples" / "site.toml")
+    site = load_config(ROOT / "examples" / "site-seeds.toml")
     scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
     targets = {sc["labels"]["node"]: (job["job_name"], sc["targets"]) for job in scrape for sc in job["static_configs"]
                if "node" in sc.get("labels", {})}
@@ -159,7 +162,7 @@ def test_prometheus_scrapes_every_node_of_the_site():
 
 def test_grafana_provisioning():
     ds = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
-    assert ds["url"] == "http://prometheus:9090"
+    assert ds["url"] == "http://127.0.0.1:9090"  # both on host networking (compose.yaml)
     dash = json.loads((DOCKER / "grafana/dashboards/disagg.json").read_text())
     for panel in dash["panels"]:
         for target in panel["targets"]:

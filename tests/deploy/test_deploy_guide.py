@@ -81,7 +81,7 @@ def test_guide_blocks_in_order(tmp_path):
         local = cmd.replace("/opt/disagg", str(opt))
         words = re.sub(r"^\S*/disagg ", "disagg ", local).split()
         if words[0] == "disagg":
-            _disagg(words[1:], tmp_path, opt)
+            _disagg(words[1:], repo, opt)
         elif words[0] in ("docker", "docker-compose"):
             _compose(local, repo)
         elif words[0] == "docker/install-mac.sh":
@@ -98,14 +98,16 @@ def test_guide_blocks_in_order(tmp_path):
     assert len(ran) >= 10 and all(w for _, w in skipped)
 
 
-def _disagg(args: list[str], tmp_path: Path, opt: Path) -> None:
-    """Each disagg command: its --help; `config check` for real on the guide's config (its dry run)."""
+def _disagg(args: list[str], repo: Path, opt: Path) -> None:
+    """Each disagg command: its --help; `config check` for real on the guide's config (its dry run), from the
+    repository's root as section 2's alias runs it, so the compose file and Prometheus targets are checked too."""
     sub = args[:2] if args[0] in ("models", "config") else args[:1]
-    r = disagg(*sub, "--help", cwd=tmp_path)
+    r = disagg(*sub, "--help", cwd=repo)
     assert r.returncode == 0 and "usage: disagg" in r.stdout, (args, r.stderr)
     if sub == ["config", "check"]:
-        r = disagg("config", "check", str(opt / "config.toml"), cwd=tmp_path)
+        r = disagg("config", "check", str(opt / "config.toml"), cwd=repo)
         assert r.returncode == 0 and "config OK" in r.stdout, r.stdout + r.stderr
+        assert "docker/compose.yaml not here" not in r.stdout and "sudo ufw allow 11434/tcp" in r.stdout
 
 
 def _compose(cmd: str, repo: Path) -> None:

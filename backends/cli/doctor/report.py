@@ -22,8 +22,7 @@ from backends.cli.doctor.checks import FAIL, GIB, PASS, SKIP, WARN, Check, Ctx, 
 
 
 def gateway_url(s: Settings) -> str:
-    h = s.gateway.host
-    return f"http://{'127.0.0.1' if h in ('0.0.0.0', '::', '') else h}:{s.gateway.port}"
+    return s.gateway.url()  # advertise_host, host, or loopback for a wildcard host
 
 
 def probe_all(s: Settings, timeout: float) -> dict:
@@ -171,6 +170,8 @@ def check_ports(ctx: Ctx) -> list[Check]:
     s, n = ctx.settings, ctx.node
     if n is None:
         ports = [("gateway port", s.gateway.host, s.gateway.port)]
+        if s.gateway.ollama_port:  # Ollama's own port: a plain Ollama still running here holds it
+            ports.append(("gateway ollama_port", s.gateway.host, s.gateway.ollama_port))
     else:
         ports = [("HTTP port", n.host, n.port)]
         if n.role == "decode":
@@ -234,7 +235,7 @@ def check_nodes(ctx: Ctx) -> list[Check]:
 # ---- the run ----
 
 def run(settings: Settings, config: Path, name: str, timeout: float = 2.0) -> list[Check]:
-    from backends.cli.doctor import engines
+    from backends.cli.doctor import engines, linklocal
 
     node = None if name == "gateway" else _node(settings, name)
     ctx = Ctx(settings, Path(config), node, probe_all(settings, timeout))
@@ -246,6 +247,7 @@ def run(settings: Settings, config: Path, name: str, timeout: float = 2.0) -> li
     else:
         checks.append(check_packages("gateway"))
     checks += check_models(ctx) + check_secrets(ctx) + check_ports(ctx) + engines.network(ctx)
+    checks += linklocal.check_link_local(ctx)  # the seeds' 169.254 switch: one interface on it, routes through it
     checks.append(check_clock(ctx))
     if node is None:
         checks += check_nodes(ctx)

@@ -35,7 +35,7 @@ def _key_middleware(keys: APIKeys):
     async def require_api_key(request: web.Request, handler) -> web.StreamResponse:
         if mine(request):
             key = request.headers.get("x-api-key")
-            problem = keys.check(f"Bearer {key}" if key else request.headers.get("Authorization"))
+            problem = keys.check(f"Bearer {key}" if key else request.headers.get("Authorization"), request.remote)
             if problem == "missing":
                 raise AuthenticationError("x-api-key header is required (or Authorization: Bearer YOUR_KEY)")
             if problem is not None:
