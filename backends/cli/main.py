@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from backends.cli import procenv
 from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.settings import Settings, load_config
 from kv_bridge.config.source import ConfigError, DEFAULT_CONFIG
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.handlers.WatchedFileHandler(log_file)] if log_file else None)
+    try:
+        procenv.ensure()  # a container's user: no passwd entry, no HOME, maybe no writable /tmp
+    except OSError as e:  # only what writes temporary files needs one; models prepare retries beside its folder
+        print(f"disagg: warning: {e}", file=sys.stderr)
     try:
         settings = load_config(args.config)
         return args.func(settings, args) or 0
@@ -161,6 +166,7 @@ def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
             raise ConfigError(f"--model {args.model!r} is not in [[models]] of {args.config}; "
                               f"known: {[r.id for r in settings.models]}")
     try:
+        procenv.ensure(tuple(resolve_model_path(r).parent for r in routes if resolve_model_path(r).parent.is_dir()))
         if args.role is not None:
             return _prepare_checkpoint(routes, args)
         return _prepare_embedded(routes, models)
