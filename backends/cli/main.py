@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--probe-mib", type=float, default=64.0, help="test transfer size per pair (0: no probe)")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
     st.add_argument("--no-fidelity", action="store_true", help="skip the KV fidelity canary of each pair")
+    st.add_argument("--api-key", help="a client key for the gateway (default: $DISAGG_API_KEY, else the config's "
+                    "auth.api_keys / api_keys_file where this machine can read it)")
     st.set_defaults(func=_cmd_status)
 
     doc = sub.add_parser("doctor", parents=[common], help="check this machine before it serves one role: one "
@@ -147,7 +149,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from backends.cli import status
 
     return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout,
-                       fidelity=not args.no_fidelity)
+                       fidelity=not args.no_fidelity, api_key=args.api_key)
 
 
 def _cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
