@@ -193,6 +193,22 @@ def test_launchd_service_runs_decode():
     assert plist["RunAtLoad"] is True and plist["KeepAlive"] == {"SuccessfulExit": False}
 
 
+def test_decode_service_is_a_launch_daemon_that_survives_a_logout():
+    """Installed in the system domain (/Library/LaunchDaemons, root-owned), run as the installing user (UserName):
+    it starts at boot and keeps running with nobody logged in. An old LaunchAgent is stopped and removed."""
+    plist = plistlib.loads((DOCKER / "launchd/com.disagg.decode.plist").read_bytes())
+    assert plist["UserName"] == "USER_NAME" and plist["EnvironmentVariables"]["HOME"] == "USER_HOME"
+    script = (DOCKER / "install-mac.sh").read_text()
+    assert "SERVICE=/Library/LaunchDaemons/com.disagg.decode.plist" in script
+    assert 'sudo install -o root -g wheel -m 644 "$tmp" "$SERVICE"' in script
+    assert 'sudo launchctl bootstrap system "$SERVICE"' in script
+    assert '-e "s/USER_NAME/$(id -un)/"' in script and '-e "s#USER_HOME#$HOME#"' in script
+    # the only gui/ (session) domain use left: removing an agent installed before
+    assert [line.strip() for line in script.splitlines() if "gui/" in line] == [
+        'launchctl bootout "gui/$(id -u)/com.disagg.decode" 2>/dev/null || true']
+    assert "LaunchAgents/com.disagg.decode" not in (ROOT / "docs" / "deploy.md").read_text()
+
+
 @pytest.mark.parametrize("path", sorted(p.relative_to(DOCKER).as_posix() for p in DOCKER.rglob("*.y*ml")))
 def test_yaml_parses(path):
     assert yaml.safe_load((DOCKER / path).read_text())
