@@ -131,6 +131,17 @@ def test_prefill_image_on_an_official_vllm_base():
     assert 'ENTRYPOINT ["disagg", "prefill"]' in text
 
 
+def test_prefill_image_checks_its_platform_and_kernels_when_built():
+    """Nothing assumed of the base tag: the build runs gpu_arch --build with Docker's TARGETARCH and the GB10's
+    capability, after the project is installed (tests/backends/cli/doctor/test_gpu_arch.py tests the check)."""
+    text = (DOCKER / "prefill.Dockerfile").read_text()
+    assert "ARG TARGETARCH" in text and "ARG CUDA_CAPABILITY=12.1" in text
+    run = text[text.index("RUN "):text.index("ENV ")]
+    assert ('python3 -m backends.cli.doctor.gpu_arch --build --target-arch "${TARGETARCH}" --capability '
+            '"${CUDA_CAPABILITY}"') in run
+    assert run.index("pip install") < run.index("gpu_arch --build")
+
+
 def test_prometheus_config_and_rules_validate():
     out = promtool("check", "config", str(DOCKER / "prometheus" / "prometheus.yml"))
     assert "SUCCESS" in out

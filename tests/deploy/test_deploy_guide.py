@@ -24,6 +24,8 @@ SKIP = [
     (r"^alias ", "wraps `docker run` (no daemon here); the disagg commands it stands for run below"),
     (r"^launchctl ", "macOS launchd (the plists are checked in test_deploy_files)"),
     (r"^scp ", "copies from the site's gateway box (no site network here)"),
+    (r"^python3\.12 -m venv |/\.venv/bin/(pip|python) ", "the Spark's venv route: CUDA 13 aarch64 wheels (no GPU or "
+     "network here; its check is tested in tests/backends/cli/doctor/test_gpu_arch.py)"),
     (r"^(KEY=|for m in|curl |echo$|done$)", "needs the running site (make site's e2e tests send both APIs' requests)"),
 ]
 
