@@ -27,6 +27,8 @@ SKIP = [
     (r"^alias ", "wraps `docker run` (no daemon here); the disagg commands it stands for run below"),
     (r"^launchctl ", "macOS launchd (the plists are checked in test_deploy_files)"),
     (r"^scp ", "copies from the site's gateway box (no site network here)"),
+    (r"^\.venv/bin/python -m bench\.", "measures the running site (tests/bench/test_site_target.py runs bench_split's "
+     "--config path against loopback fakes)"),
     (r"mlx_lm\.convert ", "downloads the 65 GB checkpoint (no hub here); run on a tiny one in the official format by "
      "test_gpt_oss_mac_commands_run_as_written"),
     (r"^python3\.12 -m venv |/\.venv/bin/(pip|python) ", "the Spark's venv route: CUDA 13 aarch64 wheels (no GPU or "
