@@ -109,11 +109,11 @@ def measure(target: Target, config: Path, folder: Path, sizes: list[int], runs: 
     target's gateway already has min_disagg_tokens 1 (the embedded stack)."""
     procs = []
     try:
-        local_proc, local_url = start_gateway(config, folder, NEVER)
+        local_proc, local_url = start_gateway(config, folder, NEVER, target.headers("gateway"))
         procs.append(local_proc)
         disagg_url = target.url("gateway")
-        if both:
-            proc, disagg_url = start_gateway(config, folder, 1)
+        if both:  # its canary must verify each pair before it sends a prompt to prefill
+            proc, disagg_url = start_gateway(config, folder, 1, target.headers("gateway"), fidelity_wait_s=600)
             procs.append(proc)
         print(f"measuring {target.describe()}: local path via {local_url}, disaggregated via {disagg_url}",
               flush=True)

@@ -130,9 +130,11 @@ def gateway_config(text: str, base: Path, port: int, min_disagg_tokens: int) -> 
     return head + sep + f'host = "127.0.0.1"\nport = {port}\n' + body + tail
 
 
-def start_gateway(config: Path, folder: Path, min_disagg_tokens: int) -> tuple[subprocess.Popen, str]:
+def start_gateway(config: Path, folder: Path, min_disagg_tokens: int, headers: dict | None = None,
+                  fidelity_wait_s: float = 0.0) -> tuple[subprocess.Popen, str]:
     """A gateway on this machine, on a free loopback port, in front of `config`'s nodes, with every model's
-    min_disagg_tokens set (1: every prompt long enough to split; a huge one: every prompt local)."""
+    min_disagg_tokens set (1: every prompt long enough to split; a huge one: every prompt local). `fidelity_wait_s`:
+    wait up to that long for its KV canary's verdicts (only a verified pair takes the disaggregated path)."""
     from tests.support.stack import free_port, wait_http
 
     port = free_port()
@@ -143,5 +145,12 @@ def start_gateway(config: Path, folder: Path, min_disagg_tokens: int) -> tuple[s
     proc = subprocess.Popen([sys.executable, "-m", "backends.cli.main", "gateway", "--config", str(cfg)], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", 120, proc)
+    wait_http(url + "/health", 120, proc, headers)
+    if fidelity_wait_s > 0:
+        from backends.cli.status import await_fidelity
+        from kv_bridge.config.settings import load_config
+
+        names = {n.name for n in load_config(cfg).nodes}
+        for line in await_fidelity(url + "/health", headers or {}, fidelity_wait_s, names):
+            print(f"bench gateway {url}: {line}", flush=True)
     return proc, url
