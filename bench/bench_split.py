@@ -2,6 +2,8 @@
 
 Run from the repository root:  .venv/bin/python -m bench.bench_split [--runs 3] [--max-tokens 64] [--prompt-tokens 1000]
 Starts its own stack (decode-0, prefill-0, gateway) on free ports; greedy decoding; a fresh prompt per request.
+On a running site, from the gateway's machine: `--config /opt/disagg/config.toml --model qwen3-coder:30b` measures
+its gateway, the model's first decode node (MLX alone) and first prefill node (vLLM alone) (bench/site_target.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
+from bench.site_target import Target, add_args, embedded, site
 
 TIMEOUT = httpx.Timeout(900.0, connect=10.0)
 WORDS = ("river stone lantern orchard copper meadow signal harbor violet engine summit ledger canyon "
@@ -63,13 +65,14 @@ def decode_rate(n_tokens: int, t_first: float | None, t_last: float | None) -> f
     return (n_tokens - 1) / (t_last - t_first)
 
 
-def run_split(client: httpx.Client, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
-    body = {"model": MODEL_ID, "messages": prompts.messages(tag), "max_tokens": max_tokens, "temperature": 0,
+def run_split(client: httpx.Client, target: Target, prompts: Prompts, tag: int, max_tokens: int) -> dict:
+    body = {"model": target.model, "messages": prompts.messages(tag), "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     t_first = t_last = None
     usage = None
-    with client.stream("POST", stack.url("gateway") + "/v1/chat/completions", json=body) as r:
+    with client.stream("POST", target.url("gateway") + "/v1/chat/completions", json=body,
+                       headers=target.headers("gateway")) as r:
         if r.status_code != 200:
             raise RuntimeError(f"gateway answered {r.status_code}: {r.read()[:500]!r}")
         path = r.headers.get("x-disagg-path")
@@ -94,14 +97,15 @@ def run_split(client: httpx.Client, stack: Stack, prompts: Prompts, tag: int, ma
             "prompt": usage["prompt_tokens"]}
 
 
-def run_mlx(client: httpx.Client, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
+def run_mlx(client: httpx.Client, target: Target, prompts: Prompts, tag: int, max_tokens: int) -> dict:
     ids = prompts.ids(tag)
-    body = {"request_id": f"bench-mlx-{tag}-{time.time_ns()}", "model": MODEL_ID, "token_ids": ids,
+    body = {"request_id": f"bench-mlx-{tag}-{time.time_ns()}", "model": target.model, "token_ids": ids,
             "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": [], "kv": None}
     t0 = time.perf_counter()
     t_first = t_last = None
     done = None
-    with client.stream("POST", stack.url("decode-0") + "/v1/generate", json=body) as r:
+    with client.stream("POST", target.url("decode-0") + "/v1/generate", json=body,
+                       headers=target.headers("decode-0")) as r:
         if r.status_code != 200:
             raise RuntimeError(f"decode node answered {r.status_code}: {r.read()[:500]!r}")
         for line in r.iter_lines():
@@ -123,11 +127,11 @@ def run_mlx(client: httpx.Client, stack: Stack, prompts: Prompts, tag: int, max_
             "prompt": done["prompt_tokens"]}
 
 
-def run_vllm(client: httpx.Client, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
+def run_vllm(client: httpx.Client, target: Target, prompts: Prompts, tag: int, max_tokens: int) -> dict:
     ids = prompts.ids(tag)
-    body = {"model": MODEL_ID, "token_ids": ids, "max_tokens": max_tokens, "temperature": 0.0, "seed": None}
+    body = {"model": target.model, "token_ids": ids, "max_tokens": max_tokens, "temperature": 0.0, "seed": None}
     t0 = time.perf_counter()
-    r = client.post(stack.url("prefill-0") + "/v1/generate", json=body)
+    r = client.post(target.url("prefill-0") + "/v1/generate", json=body, headers=target.headers("prefill-0"))
     end = time.perf_counter()
     if r.status_code != 200:
         raise RuntimeError(f"prefill node answered {r.status_code}: {r.text[:500]}")
@@ -135,8 +139,8 @@ def run_vllm(client: httpx.Client, stack: Stack, prompts: Prompts, tag: int, max
     return {"ttft": float("nan"), "tps": float("nan"), "e2e": end - t0, "tokens": n, "prompt": len(ids)}
 
 
-def paths_from_metrics(client: httpx.Client, stack: Stack) -> dict[str, float]:
-    text = client.get(stack.url("gateway") + "/metrics").text
+def paths_from_metrics(client: httpx.Client, target: Target) -> dict[str, float]:
+    text = client.get(target.url("gateway") + "/metrics", headers=target.headers("gateway")).text
     out: dict[str, float] = {}
     for m in re.finditer(r'^disagg_requests_total\{[^}]*path="(\w+)"[^}]*\}\s+(\S+)', text, re.M):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
@@ -152,8 +156,9 @@ def med(rows: list[dict], key: str) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
-def report(results: dict[str, list[dict]], prompt_len: int, args: argparse.Namespace) -> None:
-    print(f"\nmachine: nproc {len(os.sched_getaffinity(0))} (shared with other work: numbers are noisy); "
+def report(results: dict[str, list[dict]], prompt_len: int, args: argparse.Namespace, target: Target) -> None:
+    print(f"\nmeasured: {target.describe()}")
+    print(f"this machine: nproc {len(os.sched_getaffinity(0))} (shared with other work: numbers are noisy); "
           f"prompt {prompt_len} tokens (templated chat), max_tokens {args.max_tokens}, greedy, "
           f"{args.runs} runs each, medians")
     print(f"{'mode':<12}{'TTFT s':>10}{'decode tok/s':>14}{'e2e s':>10}{'tokens':>8}{'e2e tok/s':>11}")
@@ -173,50 +178,52 @@ def report(results: dict[str, list[dict]], prompt_len: int, args: argparse.Names
         print(f"    {mode:<11} " + "  ".join(f"{fmt(r['ttft'], '.2f')}/{r['e2e']:.2f}" for r in rows))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
-    args = ap.parse_args()
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    prompts = Prompts(tok, args.prompt_tokens)
-    prompt_len = len(prompts.ids(1000))
-    print(f"prompt: {prompt_len} tokens; starting stack ...", flush=True)
+    add_args(ap)
+    args = ap.parse_args(argv)
+    if args.config is not None:
+        return measure(site(args.config, args.model, args.gateway, args.api_key), args)
     # A long kv_timeout so a slow shared machine measures the split, not a fallback.
     folder = Path(tempfile.mkdtemp(prefix="bench-split-"))
-    stack = Stack(folder, kv_timeout_s=300.0, min_disagg_tokens=8)
-    runners = {"split": run_split, "mlx-alone": run_mlx, "vllm-alone": run_vllm}
-    results: dict[str, list[dict]] = {k: [] for k in runners}
     try:
-        for name in ("decode-0", "prefill-0", "gateway"):
-            stack.start(name)
-        with httpx.Client(timeout=TIMEOUT) as client:
-            # Warm-up on a short, distinct prompt so first-request compilation costs land on no side.
-            warm = Prompts(tok, 40, question="\n\nSay hello.")
-            for fn in runners.values():
-                fn(client, stack, warm, -1, 4)
-            before = paths_from_metrics(client, stack)
-            tag = 1000
-            for i in range(args.runs):
-                for mode, fn in runners.items():
-                    tag += 1  # a fresh leading number per request: no prefix cache helps any side
-                    r = fn(client, stack, prompts, tag, args.max_tokens)
-                    results[mode].append(r)
-                    print(f"run {i + 1} {mode:<10} ttft_s {fmt(r['ttft'], '.3f'):>7}  e2e_s {r['e2e']:7.3f}  "
-                          f"tokens {r['tokens']}  prompt {r['prompt']}", flush=True)
-            after = paths_from_metrics(client, stack)
-        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
-        print(f"gateway paths during the measured runs: {delta}")
-        report(results, prompt_len, args)
+        with embedded(folder, kv_timeout_s=300.0, min_disagg_tokens=8) as (target, _):
+            measure(target, args)
     except BaseException:
         print(f"bench failed; node logs in {folder}", file=sys.stderr)
         raise
-    finally:
-        stack.stop()
+
+
+def measure(target: Target, args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target.tokenizer_dir))
+    prompts = Prompts(tok, args.prompt_tokens)
+    prompt_len = len(prompts.ids(1000))
+    print(f"prompt: {prompt_len} tokens; measuring {target.describe()}", flush=True)
+    runners = {"split": run_split, "mlx-alone": run_mlx, "vllm-alone": run_vllm}
+    results: dict[str, list[dict]] = {k: [] for k in runners}
+    with httpx.Client(timeout=TIMEOUT) as client:
+        # Warm-up on a short, distinct prompt so first-request compilation costs land on no side.
+        warm = Prompts(tok, max(40, target.min_disagg_tokens + 16), question="\n\nSay hello.")
+        for fn in runners.values():
+            fn(client, target, warm, -1, 4)
+        before = paths_from_metrics(client, target)
+        tag = 1000
+        for i in range(args.runs):
+            for mode, fn in runners.items():
+                tag += 1  # a fresh leading number per request: no prefix cache helps any side
+                r = fn(client, target, prompts, tag, args.max_tokens)
+                results[mode].append(r)
+                print(f"run {i + 1} {mode:<10} ttft_s {fmt(r['ttft'], '.3f'):>7}  e2e_s {r['e2e']:7.3f}  "
+                      f"tokens {r['tokens']}  prompt {r['prompt']}", flush=True)
+        after = paths_from_metrics(client, target)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    print(f"gateway paths during the measured runs: {delta}")
+    report(results, prompt_len, args, target)
 
 
 if __name__ == "__main__":

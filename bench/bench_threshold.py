@@ -6,6 +6,8 @@ Starts its own stack (decode-0, prefill-0, a gateway with min_disagg_tokens=1) p
 nodes whose threshold is out of reach (every request local). Prompts are raw token ids sent to /v1/completions, so a
 size is exact (no chat template around it); every request gets a fresh leading token run so no cache helps either
 side. TTFT is request start to the first SSE event, measured at the client, through a gateway on both paths.
+On a running site, from the gateway's machine: `--config /opt/disagg/config.toml --model qwen3-coder:30b --sizes
+128,256,512,1024,2048` starts both gateways here (loopback ports) in front of the site's nodes and measures those.
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port, wait_http
+from bench.site_target import Target, add_args, embedded, site, start_gateway
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 WORDS = ("river stone lantern orchard copper meadow signal harbor violet engine summit ledger canyon "
          "whistle marble forest cipher beacon thunder garden ribbon falcon glacier pepper").split()
@@ -35,10 +34,10 @@ NEVER = 1_000_000  # a min_disagg_tokens no prompt reaches: that gateway always 
 class Prompts:
     """Token-id prompts of an exact length; `tag` leads the text so no two requests share a prefix."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path) -> None:
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+        self.tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
 
     def ids(self, n: int, tag: int) -> list[int]:
         words = [WORDS[(i * 7 + tag) % len(WORDS)] for i in range(n + 8)]
@@ -48,10 +47,10 @@ class Prompts:
         return ids[:n]
 
 
-def ttft(client: httpx.Client, url: str, ids: list[int], expect_path: str) -> float:
-    body = {"model": MODEL_ID, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True}
+def ttft(client: httpx.Client, url: str, ids: list[int], expect_path: str, target: Target) -> float:
+    body = {"model": target.model, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
-    with client.stream("POST", url + "/v1/completions", json=body) as r:
+    with client.stream("POST", url + "/v1/completions", json=body, headers=target.headers("gateway")) as r:
         if r.status_code != 200:
             raise RuntimeError(f"gateway answered {r.status_code}: {r.read()[:500]!r}")
         path = r.headers.get("x-disagg-path")
@@ -66,22 +65,6 @@ def ttft(client: httpx.Client, url: str, ids: list[int], expect_path: str) -> fl
     if first is None:
         raise RuntimeError("stream ended without an event")
     return first
-
-
-def start_local_gateway(stack: Stack, folder: Path) -> tuple[subprocess.Popen, str]:
-    """A second gateway on the same nodes whose threshold no prompt reaches."""
-    port = free_port()
-    text = stack.config.read_text()
-    text = re.sub(r"(?m)^port = \d+", f"port = {port}", text, count=1)  # the first port is [gateway]'s
-    text = re.sub(r"(?m)^min_disagg_tokens = \d+", f"min_disagg_tokens = {NEVER}", text)
-    cfg = folder / "config-local.toml"
-    cfg.write_text(text)
-    log = open(folder / "gateway-local.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "backends.cli.main", "gateway", "--config", str(cfg)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", 120, proc)
-    return proc, url
 
 
 def break_even(rows: list[tuple[int, float, float]]) -> float | None:
@@ -100,47 +83,65 @@ def break_even(rows: list[tuple[int, float, float]]) -> float | None:
     return n0 + (n1 - n0) * gap0 / (gap0 - gap1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--sizes", default="8,16,32,64,128")
-    args = ap.parse_args()
+    add_args(ap)
+    args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    prompts = Prompts()
-
     folder = Path(tempfile.mkdtemp(prefix="bench-threshold-"))
-    stack = Stack(folder, kv_timeout_s=120.0, min_disagg_tokens=1)
-    local_proc = None
-    print(f"starting stack (logs in {folder}) ...", flush=True)
+    print(f"logs in {folder}", flush=True)
     try:
-        for name in ("decode-0", "prefill-0", "gateway"):
-            stack.start(name)
-        local_proc, local_url = start_local_gateway(stack, folder)
-        paths = {"local": local_url, "disaggregated": stack.url("gateway")}
-        results: dict[int, dict[str, list[float]]] = {n: {p: [] for p in paths} for n in sizes}
-        with httpx.Client(timeout=TIMEOUT) as client:
-            for path, url in paths.items():  # first-request compilation and allocation land on no measured run
-                for n in (min(sizes), max(sizes)):
-                    ttft(client, url, prompts.ids(n, 9000 + n), path)
-            tag = 0
-            for run in range(args.runs):
-                for n in sizes:
-                    order = list(paths) if (run + n) % 2 == 0 else list(paths)[::-1]  # alternate who goes first
-                    for path in order:
-                        tag += 1
-                        results[n][path].append(ttft(client, paths[path], prompts.ids(n, tag), path))
-                print(f"run {run + 1}/{args.runs}: " + "  ".join(
-                    f"{n}: {results[n]['local'][-1] * 1000:.0f}/{results[n]['disaggregated'][-1] * 1000:.0f} ms"
-                    for n in sizes), flush=True)
-        report(results, args.runs)
+        if args.config is not None:
+            target = site(args.config, args.model, args.gateway, args.api_key)
+            measure(target, args.config, folder, sizes, args.runs, both=True)
+        else:
+            with embedded(folder, kv_timeout_s=120.0, min_disagg_tokens=1) as (target, stack):
+                measure(target, stack.config, folder, sizes, args.runs, both=False)
     except BaseException:
         print(f"bench failed; logs in {folder}", file=sys.stderr)
         raise
+
+
+def measure(target: Target, config: Path, folder: Path, sizes: list[int], runs: int, both: bool) -> None:
+    """`both`: start the disaggregated gateway here too (a site: its own gateway's threshold is its own); else the
+    target's gateway already has min_disagg_tokens 1 (the embedded stack)."""
+    procs = []
+    try:
+        local_proc, local_url = start_gateway(config, folder, NEVER, target.headers("gateway"))
+        procs.append(local_proc)
+        disagg_url = target.url("gateway")
+        if both:  # its canary must verify each pair before it sends a prompt to prefill
+            proc, disagg_url = start_gateway(config, folder, 1, target.headers("gateway"), fidelity_wait_s=600)
+            procs.append(proc)
+        print(f"measuring {target.describe()}: local path via {local_url}, disaggregated via {disagg_url}",
+              flush=True)
+        run_sizes(target, {"local": local_url, "disaggregated": disagg_url}, sizes, runs)
     finally:
-        if local_proc is not None:
-            os.killpg(local_proc.pid, 15)
-            local_proc.wait(timeout=20)
-        stack.stop()
+        for p in procs:
+            os.killpg(p.pid, 15)
+            p.wait(timeout=20)
+
+
+def run_sizes(target: Target, paths: dict[str, str], sizes: list[int], runs: int) -> None:
+    prompts = Prompts(target.tokenizer_dir)
+    results: dict[int, dict[str, list[float]]] = {n: {p: [] for p in paths} for n in sizes}
+    with httpx.Client(timeout=TIMEOUT) as client:
+        for path, url in paths.items():  # first-request compilation and allocation land on no measured run
+            for n in (min(sizes), max(sizes)):
+                ttft(client, url, prompts.ids(n, 9000 + n), path, target)
+        tag = 0
+        for run in range(runs):
+            for n in sizes:
+                order = list(paths) if (run + n) % 2 == 0 else list(paths)[::-1]  # alternate who goes first
+                for path in order:
+                    tag += 1
+                    results[n][path].append(ttft(client, paths[path], prompts.ids(n, tag), path, target))
+            print(f"run {run + 1}/{runs}: " + "  ".join(
+                f"{n}: {results[n]['local'][-1] * 1000:.0f}/{results[n]['disaggregated'][-1] * 1000:.0f} ms"
+                for n in sizes), flush=True)
+    report(results, runs)
 
 
 def report(results: dict[int, dict[str, list[float]]], runs: int) -> None:

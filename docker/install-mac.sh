@@ -1,9 +1,10 @@
 #!/bin/bash
 # Install a disagg decode node on a Mac (Apple Silicon, macOS 14+): /opt/disagg owned by you, a Python 3.11+ venv
-# with the `decode` extra, the launchd agent com.disagg.decode running `disagg decode --node NODE`, the LaunchDaemon
-# that sets Metal's wired limit at every boot, and decode.log's rotation (newsyslog).
+# with the `decode` extra, the LaunchDaemon com.disagg.decode running `disagg decode --node NODE` as you (no login
+# session needed: it starts at boot and survives a logout), the LaunchDaemon that sets Metal's wired limit at every
+# boot, and decode.log's rotation (newsyslog).
 # RESERVED_GIB=12 docker/install-mac.sh mac-0: keep more than 8 GiB for macOS (match [[nodes]] reserved_gib).
-# Run it as the user who stays logged in (not with sudo; it asks for sudo only to create /opt/disagg):
+# Run it as the user the node runs as (not with sudo; it asks for sudo for /opt/disagg and /Library/LaunchDaemons):
 #   docker/install-mac.sh mac-0        (from the repository root; docs/deploy.md step 4)
 set -euo pipefail
 
@@ -11,7 +12,8 @@ NODE="${1:-}"
 PREFIX=/opt/disagg
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 PLIST_SRC="$REPO/docker/launchd/com.disagg.decode.plist"
-AGENT="$HOME/Library/LaunchAgents/com.disagg.decode.plist"
+SERVICE=/Library/LaunchDaemons/com.disagg.decode.plist
+OLD_AGENT="$HOME/Library/LaunchAgents/com.disagg.decode.plist"  # before: a LaunchAgent, stopped by a logout
 LIMIT_SRC="$REPO/docker/launchd/com.disagg.wired-limit.plist"
 DAEMON=/Library/LaunchDaemons/com.disagg.wired-limit.plist
 ROTATE_SRC="$REPO/docker/launchd/com.disagg.decode.newsyslog.conf"
@@ -22,7 +24,7 @@ RESERVED_GIB="${RESERVED_GIB:-8}"
 die() { echo "install-mac: $*" >&2; exit 1; }
 
 [ -n "$NODE" ] || die "usage: $0 NODE_NAME   (the decode node's [[nodes]] name, e.g. mac-0)"
-[ "$(id -u)" -ne 0 ] || die "run as the logged-in user, not root: the service is that user's LaunchAgent (Metal)"
+[ "$(id -u)" -ne 0 ] || die "run as the user the node runs as, not root: it owns /opt/disagg and its secret"
 [ "$(uname -s)" = Darwin ] || die "this is for macOS; Linux machines run the Docker images"
 [ "$(uname -m)" = arm64 ] || die "MLX needs Apple Silicon (arm64); this Mac is $(uname -m)"
 major="$(sw_vers -productVersion | cut -d. -f1)"
@@ -47,9 +49,22 @@ sudo install -d -o "$(id -un)" -g staff -m 755 "$PREFIX" "$PREFIX/logs" "$PREFIX
 "$PREFIX/.venv/bin/pip" install --upgrade pip
 "$PREFIX/.venv/bin/pip" install "${REPO}[decode]"
 
-mkdir -p "$HOME/Library/LaunchAgents"
-sed "s/NODE_NAME/$NODE/" "$PLIST_SRC" > "$AGENT"
-plutil -lint "$AGENT" >/dev/null
+# The decode service: a LaunchDaemon (system domain, root-owned plist) that runs as this user (UserName): it starts
+# at boot and keeps running with nobody logged in; a LaunchAgent would stop at logout.
+tmp="$(mktemp)"
+sed -e "s/NODE_NAME/$NODE/" -e "s/USER_NAME/$(id -un)/" -e "s#USER_HOME#$HOME#" "$PLIST_SRC" > "$tmp"
+plutil -lint "$tmp" >/dev/null
+if [ -f "$OLD_AGENT" ]; then  # an install from before: stop and remove the agent, or both would bind the port
+    launchctl bootout "gui/$(id -u)/com.disagg.decode" 2>/dev/null || true
+    rm -f "$OLD_AGENT"
+    echo "removed the old LaunchAgent $OLD_AGENT"
+fi
+loaded=0
+if sudo launchctl print system/com.disagg.decode >/dev/null 2>&1; then
+    loaded=1
+fi
+sudo install -o root -g wheel -m 644 "$tmp" "$SERVICE"
+rm -f "$tmp"
 
 # Metal's GPU wired limit, persistent: iogpu.wired_limit_mb resets to 0 (about 75% of RAM) at every boot, below the
 # models and KV; a LaunchDaemon sets it before anyone logs in. The decode node checks it at start and refuses to run
@@ -73,23 +88,24 @@ sudo chmod 644 "$ROTATE"
 
 cat <<EOF
 
-Installed into $PREFIX (venv, logs) and $AGENT.
+Installed into $PREFIX (venv, logs) and $SERVICE (runs as $(id -un), no login needed).
 Before the service can start (it is not started yet):
   - $PREFIX/config.toml (examples/site.toml, edited) and $PREFIX/node-secret (chmod 600, owned by $(id -un));
   - the models: $PREFIX/.venv/bin/disagg models prepare --config $PREFIX/config.toml --model ID --role decode ...
   - check: $PREFIX/.venv/bin/disagg config check $PREFIX/config.toml
   - check this Mac: $PREFIX/.venv/bin/disagg doctor --config $PREFIX/config.toml --node $NODE
-Keep the Mac awake, logged in, and booting after a power loss:
-  sudo pmset -a sleep 0 disksleep 0 autorestart 1   (and System Settings > Lock Screen: never)
-FileVault: after a reboot the Mac waits at the unlock screen with no user session, so no LaunchAgent runs; use
-'sudo fdesetup authrestart' for planned reboots, or turn FileVault off and enable automatic login.
+Keep the Mac awake and booting after a power loss (no one needs to stay logged in):
+  sudo pmset -a sleep 0 disksleep 0 autorestart 1
+FileVault: after a reboot the Mac waits at the pre-boot unlock screen and nothing starts, daemons included; use
+'sudo fdesetup authrestart' for planned reboots, or turn FileVault off for unattended power-loss recovery.
 EOF
 
 # Not started here: the node loads every model at start, so the models come first (and converting one needs the
-# memory the running node would hold). An agent already loaded is restarted on the new venv.
-if launchctl print "gui/$(id -u)/com.disagg.decode" >/dev/null 2>&1; then
-    launchctl kickstart -k "gui/$(id -u)/com.disagg.decode"
+# memory the running node would hold). A service already loaded is reloaded with the new plist and venv.
+if [ "$loaded" = 1 ]; then
+    sudo launchctl bootout system/com.disagg.decode 2>/dev/null || true
+    sudo launchctl bootstrap system "$SERVICE"
     echo "restarted com.disagg.decode for node $NODE; log: $PREFIX/logs/decode.log (crashes: decode.out)"
 else
-    echo "Then start it:  launchctl bootstrap gui/$(id -u) $AGENT   (log: $PREFIX/logs/decode.log)"
+    echo "Then start it:  sudo launchctl bootstrap system $SERVICE   (log: $PREFIX/logs/decode.log)"
 fi

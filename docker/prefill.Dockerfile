@@ -1,5 +1,7 @@
-# Prefill node for the DGX Sparks (GB10: aarch64 + CUDA): vLLM's own image of the release the connector is tested
-# with (0.32; the tag is multi-arch, so building on the Spark pulls its arm64 image), this project on top.
+# Prefill node for the DGX Sparks (GB10: aarch64 + CUDA 13, compute capability 12.1): vLLM's own image of the release
+# the connector is tested with (0.32), this project on top. Nothing is assumed about the tag's platforms: the build
+# checks (backends/cli/doctor/gpu_arch.py --build) that the machine is the target (TARGETARCH), the installed vLLM
+# wheel is built for it, and torch carries sm_121-compatible kernels, and fails naming the fix when one disagrees.
 # Build on the Spark (or with buildx --platform linux/arm64):  docker build -f docker/prefill.Dockerfile -t disagg-prefill .
 # NVIDIA's nvcr.io/nvidia/vllm images ship older vLLM releases (25.10: 0.10.2), which the connector refuses.
 # Without that image: a CUDA base with Python 3.12 and `--build-arg WITH_VLLM=1` installs the `prefill` extra
@@ -7,6 +9,9 @@
 ARG BASE=vllm/vllm-openai:v0.32.0
 FROM ${BASE}
 ARG WITH_VLLM=0
+# BuildKit sets TARGETARCH (arm64 on a Spark); CUDA_CAPABILITY is the GPU the image must carry kernels for (GB10).
+ARG TARGETARCH
+ARG CUDA_CAPABILITY=12.1
 
 WORKDIR /opt/disagg-src
 COPY pyproject.toml README.md ./
@@ -26,6 +31,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf 
  && if [ "$WITH_VLLM" = 1 ]; then spec=".[prefill]"; else spec="."; fi \
  && python3 -m pip install --no-cache-dir "$spec" pytest \
  && python3 -m kv_bridge.vllm.checks \
+ && python3 -m backends.cli.doctor.gpu_arch --build --target-arch "${TARGETARCH}" --capability "${CUDA_CAPABILITY}" \
  && python3 -c "import numpy, pytest" \
  && python3 -c "import torch, kv_bridge.vllm.connector; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 

@@ -263,11 +263,15 @@ def _decode(s: Settings, node: NodeConfig, routes: list[ModelRoute], base: Path,
     d = decode_budget.decode_budget(s, node, routes, base)
     avail = node.memory_gib - node.reserved("decode")
     b = Budget(node.name, d.items, avail, [], None, d.notes, decode_budget.grading_capacity(s, node, routes, base))
-    need = sum(g for _, g in d.items)
+    need, margin = sum(g for _, g in d.items), decode_budget.HEADROOM_GIB
     if need > avail:
         errors.append(f"decode node {node.name!r} needs {need:.1f} GiB ({', '.join(f'{w} {g:.1f}' for w, g in d.items)}"
                       f") but has {avail:.1f} GiB ({node.memory_gib:g} GiB less {node.reserved('decode'):g} reserved "
                       f"for macOS): {need - avail:.1f} GiB over; {LOWER}")
+    elif avail - need < margin:
+        errors.append(f"decode node {node.name!r} needs {need:.1f} of its {avail:.1f} GiB: {avail - need:.1f} GiB "
+                      f"headroom, under the {margin:g} GiB margin every Mac keeps for what the budget estimates "
+                      f"(docs/deploy.md \"The Mac's memory budget\"); {LOWER}")
     return b
 
 

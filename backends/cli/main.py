@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from backends.cli import procenv
 from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.settings import Settings, load_config
 from kv_bridge.config.source import ConfigError, DEFAULT_CONFIG
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.handlers.WatchedFileHandler(log_file)] if log_file else None)
+    try:
+        procenv.ensure()  # a container's user: no passwd entry, no HOME, maybe no writable /tmp
+    except OSError as e:  # only what writes temporary files needs one; models prepare retries beside its folder
+        print(f"disagg: warning: {e}", file=sys.stderr)
     try:
         settings = load_config(args.config)
         return args.func(settings, args) or 0
@@ -71,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--probe-mib", type=float, default=64.0, help="test transfer size per pair (0: no probe)")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
     st.add_argument("--no-fidelity", action="store_true", help="skip the KV fidelity canary of each pair")
+    st.add_argument("--api-key", help="a client key for the gateway (default: $DISAGG_API_KEY, else the config's "
+                    "auth.api_keys / api_keys_file where this machine can read it)")
     st.set_defaults(func=_cmd_status)
 
     doc = sub.add_parser("doctor", parents=[common], help="check this machine before it serves one role: one "
@@ -144,7 +151,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from backends.cli import status
 
     return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout,
-                       fidelity=not args.no_fidelity)
+                       fidelity=not args.no_fidelity, api_key=args.api_key)
 
 
 def _cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
@@ -163,6 +170,7 @@ def _cmd_models_prepare(settings: Settings, args: argparse.Namespace) -> int:
             raise ConfigError(f"--model {args.model!r} is not in [[models]] of {args.config}; "
                               f"known: {[r.id for r in settings.models]}")
     try:
+        procenv.ensure(tuple(resolve_model_path(r).parent for r in routes if resolve_model_path(r).parent.is_dir()))
         if args.role is not None:
             return _prepare_checkpoint(routes, args)
         return _prepare_embedded(routes, models)

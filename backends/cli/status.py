@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -14,7 +15,50 @@ import aiohttp
 
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
+from kv_bridge.config.source import ConfigError
 from kv_bridge.fidelity import Verdict, run_canary
+
+API_KEY_ENV = "DISAGG_API_KEY"  # a client key for the gateway, on a machine that cannot read auth.api_keys_file
+
+
+@dataclass
+class ClientKey:
+    """The key status sends the gateway and where it came from; `missing` says why there is none when the config
+    wants one (the gateway then answers 401 and status goes to the nodes itself)."""
+
+    key: str | None
+    source: str
+    missing: str | None = None
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+
+def client_key(s: Settings, flag: str | None = None) -> ClientKey:
+    """--api-key, else $DISAGG_API_KEY, else the config's first key (auth.api_keys, auth.api_keys_file) where this
+    machine can read it."""
+    if flag:
+        return ClientKey(flag, "--api-key")
+    if os.environ.get(API_KEY_ENV):
+        return ClientKey(os.environ[API_KEY_ENV], f"${API_KEY_ENV}")
+    try:
+        keys = s.auth.client_keys()
+    except ConfigError as e:
+        return ClientKey(None, "none", f"no API key here ({e})")
+    return ClientKey(keys[0], "the config") if keys else ClientKey(None, "none (the gateway runs open)")
+
+
+def key_line(key: ClientKey, gateway: str | None) -> str | None:
+    """One line for the operator when the gateway's part of the table is missing for want of a key."""
+    fix = f"pass --api-key KEY or set {API_KEY_ENV} (a client key, one line of the gateway box's api-keys file)"
+    if gateway == "401" and key.key:
+        return f"status: the gateway refused the API key from {key.source} (401): {fix}; fidelity was run against " \
+               f"the nodes directly and the queue is not shown"
+    if gateway == "401" or (key.missing and gateway is None):
+        why = key.missing or "no API key given and the gateway wants one (401)"
+        return f"status: {why}: {fix}; fidelity was run against the nodes directly and the queue is not shown"
+    return None
 
 
 @dataclass
@@ -157,11 +201,10 @@ def _verdict(row: dict) -> Verdict:
     return Verdict(row["model"], row["prefill"], row["decode"], "error", message=why.get(row["state"], row["state"]))
 
 
-async def _fidelity(http, s: Settings, up: set[str], headers: dict) -> list[Verdict]:
+async def _fidelity(http, s: Settings, up: set[str], headers: dict, gw: dict, seen: dict) -> list[Verdict]:
     """Every pair's canary verdict: from the gateway's POST /fidelity when it answers (each with its Lifecycle as
-    `.lifecycle`), else run here, pair by pair."""
-    keys = s.auth.client_keys()
-    gw = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    `.lifecycle`), else run here, pair by pair. `seen["gateway"]` records "401" when the gateway wanted a key it did
+    not get."""
     try:
         async with http.post(f"{s.gateway.url()}/fidelity", headers=gw) as r:
             if r.status == 200:
@@ -171,6 +214,8 @@ async def _fidelity(http, s: Settings, up: set[str], headers: dict) -> list[Verd
                     v.lifecycle = Lifecycle.from_row(row)
                     out.append(v)
                 return out
+            if r.status == 401:
+                seen["gateway"] = "401"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
         pass  # no gateway here: ask the nodes themselves
     out = []
@@ -185,20 +230,24 @@ async def _fidelity(http, s: Settings, up: set[str], headers: dict) -> list[Verd
     return out
 
 
-async def _queue(http, s: Settings) -> dict | None:
+async def _queue(http, s: Settings, gw: dict, seen: dict) -> dict | None:
     """The gateway's request queue from its /health (gateway/cluster/queue.py); None when no gateway answers."""
-    keys = s.auth.client_keys()
-    gw = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     try:
         async with http.get(f"{s.gateway.url()}/health", headers=gw) as r:
+            if r.status == 401:
+                seen["gateway"] = "401"
+                return None
             return (await r.json()).get("queue")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
         return None
 
 
-async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0, fidelity: bool = True) -> dict:
+async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0, fidelity: bool = True,
+                  key: ClientKey | None = None) -> dict:
     """Every node's status, fingerprint consensus, (when probe_bytes > 0) every up pair's KV link and (`fidelity`)
-    every pair's KV fidelity."""
+    every pair's KV fidelity. `key`: the gateway's client key (default: client_key(s))."""
+    key = client_key(s) if key is None else key
+    gw, seen = key.headers, {}
     token = s.auth.node_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     total = max(timeout, s.fidelity.timeout_s if fidelity else 0) + 60
@@ -216,9 +265,10 @@ async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.
                                                       timeout))
                         else:
                             links.append(LinkStatus(m.id, p, d, error="node down"))
-        verdicts = await _fidelity(http, s, up, headers) if fidelity else []
-        queue = await _queue(http, s)
-    return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts, "queue": queue}
+        verdicts = await _fidelity(http, s, up, headers, gw, seen) if fidelity else []
+        queue = await _queue(http, s, gw, seen)
+    return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts, "queue": queue,
+            "key": key_line(key, seen.get("gateway"))}
 
 
 def await_fidelity(health_url: str, headers: dict, timeout_s: float, nodes: set[str]) -> list[str]:
@@ -315,15 +365,17 @@ def to_json(result: dict) -> dict:
     return {"nodes": [asdict(n) for n in result["nodes"]], "consensus": result["consensus"],
             "links": [{**asdict(l), "gbit_s": l.gbit_s} for l in result["links"]],
             "fidelity": [{**v.to_json(), **asdict(_lifecycle(v))} for v in result.get("fidelity", [])],
-            "queue": result.get("queue")}
+            "queue": result.get("queue"), "api_key": result.get("key")}
 
 
 def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0,
-         fidelity: bool = True) -> int:
+         fidelity: bool = True, api_key: str | None = None) -> int:
     """Exit 0 when every node is up, agrees, every link probe passed and every pair's KV is verified (or vouched for
     by a [[fidelity.override]]); 1 otherwise."""
-    result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity))
+    result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity, client_key(settings, api_key)))
     print(json.dumps(to_json(result), indent=2) if as_json else render(result, color=sys.stdout.isatty()))
+    if result["key"]:
+        print(result["key"], file=sys.stderr)
     healthy = all(n.up and n.agreement == "ok" for n in result["nodes"]) and all(l.ok for l in result["links"]) \
         and all(passes(v) for v in result["fidelity"])
     return 0 if healthy else 1

@@ -30,6 +30,9 @@ PROCESS_PER_MODEL_GIB = 0.5
 # macOS itself and its file cache. Log out (the LaunchDaemon runs without a session) to get it back.
 SESSION_GIB = 2.0
 GRADING_TOKENS = 25_000  # the longest grading prompt (rubric + notebook, DESIGN.md's workload)
+# What a Mac must keep free beyond every counted item, or config check fails it: the allowances above are estimates
+# (process, session), Metal rounds buffers to pages and MLX's allocator fragments; 2 GiB is 2% of a 96 GB Mac.
+HEADROOM_GIB = 2.0
 
 # Geometry of the published checkpoints the site serves, for a machine without the folder (config check on a
 # laptop): the hub's config.json fields the budget reads, by the repo id a [[models]] alias names.
@@ -151,7 +154,45 @@ def decode_budget(s: Settings, node: NodeConfig, routes: list[ModelRoute], base:
               ("in-flight KV", s.kv.max_inflight_bytes / GIB), ("receive pool", s.kv.pool_bytes / GIB),
               ("local prefill", local), ("MLX cache", s.decode.mlx_cache_limit_bytes / GIB),
               ("process", proc), ("session", SESSION_GIB)]
-    return DecodeBudget(items, unknown, notes)
+    gen, join, more = answer_items(s, node, routes, base)
+    items += [("generated KV", gen), ("batch join copy", join)]
+    return DecodeBudget(items, unknown, notes + more)
+
+
+def _held_per_token(cfg: dict, tokens: int) -> float:
+    """Bytes per token MLX holds for a `tokens`-long sequence: gpt-oss's sliding layers keep only their window."""
+    per_token = kv_per_token(cfg)[0]
+    window = cfg.get("sliding_window")
+    sliding = sum(t == "sliding_attention" for t in cfg.get("layer_types", [])) if window else 0
+    layers = cfg["num_hidden_layers"]
+    return per_token * ((layers - sliding) * tokens + sliding * min(window or tokens, tokens)) / layers / tokens
+
+
+def answer_items(s: Settings, node: NodeConfig, routes: list[ModelRoute], base: Path) -> tuple[float, float, list]:
+    """(generated KV GiB, batch join copy GiB, notes). Generated: each model's answers at once (max_batch_size, no
+    more than its [[models]] max_inflight) x answer_tokens of KV beyond the prompt (a sliding layer adds none past
+    its window). Join: mlx-lm's BatchKVCache.extend pads the batch and the joining prompt to one length and
+    concatenates them, a new copy of the whole batch beside the old until it is freed; the largest is a model's
+    grading batch (grading_capacity's at_once) of GRADING_TOKENS + answer_tokens each. One MLX thread joins one
+    prompt at a time, so the largest model's counts, not the sum."""
+    gen, join, notes = 0.0, 0.0, []
+    caps = {c["model"]: c for c in grading_capacity(s, node, routes, base)}
+    for r in routes:
+        cfg, _ = geometry(r, base)
+        if cfg is None or r.id not in caps:
+            notes.append(f"{r.id} generated KV and batch join: no geometry here: not counted")
+            continue
+        per_token, layers = kv_per_token(cfg)[0], cfg["num_hidden_layers"]
+        window = cfg.get("sliding_window")
+        sliding = sum(t == "sliding_attention" for t in cfg.get("layer_types", [])) if window else 0
+        n = min(s.decode.max_batch_size, r.max_inflight or s.decode.max_batch_size)
+        g = n * r.answer_tokens * per_token * (layers - sliding) / layers / GIB
+        length = GRADING_TOKENS + r.answer_tokens
+        j = caps[r.id]["at_once"] * length * _held_per_token(cfg, length) / GIB
+        gen, join = gen + g, max(join, j)
+        notes.append(f"{r.id} generated KV: {n} answers x {r.answer_tokens} tokens ({g:.2f} GiB); batch join: "
+                     f"{caps[r.id]['at_once']} x {length} tokens copied ({j:.2f} GiB)")
+    return gen, join, notes
 
 
 def grading_capacity(s: Settings, node: NodeConfig, routes: list[ModelRoute], base: Path,

@@ -26,7 +26,7 @@ from kv_bridge.fingerprint import model_fingerprint, model_quantization
 log = logging.getLogger(__name__)
 
 
-def engine_args(settings: Settings, route: ModelRoute):
+def engine_args(settings: Settings, route: ModelRoute, utilization: float | None = None):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -43,7 +43,7 @@ def engine_args(settings: Settings, route: ModelRoute):
         dtype=settings.prefill.dtype,
         kv_cache_dtype=settings.prefill.kv_cache_dtype,
         max_model_len=route.max_model_len,
-        gpu_memory_utilization=settings.prefill.gpu_memory_utilization,
+        gpu_memory_utilization=utilization or settings.prefill.gpu_memory_utilization,
         enforce_eager=enforce_eager(settings),
         max_num_batched_tokens=settings.prefill.max_num_batched_tokens,
         enable_prefix_caching=settings.prefill.enable_prefix_caching,
@@ -102,8 +102,13 @@ class PrefillService:
     async def start(self, app: web.Application) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from backends.prefill.memory import utilization_to_start
+
+        p = self.settings.prefill  # on a GPU: waits (never exits) until vLLM's ask fits what is free
+        util = await utilization_to_start(p.gpu_memory_utilization, len(self.routes), p.drop_page_cache,
+                                          p.min_gpu_memory_utilization)
         for mid, route in self.routes.items():
-            self.engines[mid] = AsyncLLM.from_engine_args(engine_args(self.settings, route))
+            self.engines[mid] = AsyncLLM.from_engine_args(engine_args(self.settings, route, util))
             self.max_len[mid] = route.max_model_len
             log.info("prefill node %s: model %s loaded", self.node.name, mid)
 

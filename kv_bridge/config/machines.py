@@ -34,3 +34,6 @@ class ModelSizes(BaseModel):
     prefill_weights_gib: float | None = Field(default=None, gt=0, description="the prefill side's checkpoint "
                                               "(e.g. FP8 or MXFP4 safetensors) in GiB")
     decode_weights_gib: float | None = Field(default=None, gt=0, description="the decode side's MLX folder in GiB")
+    answer_tokens: int = Field(default=3500, ge=1, description="the longest answer clients ask of this model (Ollama "
+                               "num_predict, OpenAI max_tokens; the site's app: 2000-3500): `config check` budgets "
+                               "its generated tokens' KV on each Mac; the gateway does not cap answers by it")

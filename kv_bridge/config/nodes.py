@@ -54,6 +54,12 @@ class PrefillConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
     enable_prefix_caching: bool = Field(
         default=True, description="vLLM's own prefix cache: a follow-up turn recomputes only its new tokens")
+    drop_page_cache: bool = Field(
+        default=False, description="at start on a GPU, when vLLM's ask is more than is free: sync and free the page "
+        "cache (echo 1 > /proc/sys/vm/drop_caches); needs root and a writable /proc/sys (docker run --privileged)")
+    min_gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="at start, when gpu_memory_utilization does not fit what is free: "
+        "start with what fits down to this (fewer KV blocks, said in the log); unset: wait for memory instead")
 
 
 class DecodeConfig(BaseModel):

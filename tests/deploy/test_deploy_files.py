@@ -131,6 +131,17 @@ def test_prefill_image_on_an_official_vllm_base():
     assert 'ENTRYPOINT ["disagg", "prefill"]' in text
 
 
+def test_prefill_image_checks_its_platform_and_kernels_when_built():
+    """Nothing assumed of the base tag: the build runs gpu_arch --build with Docker's TARGETARCH and the GB10's
+    capability, after the project is installed (tests/backends/cli/doctor/test_gpu_arch.py tests the check)."""
+    text = (DOCKER / "prefill.Dockerfile").read_text()
+    assert "ARG TARGETARCH" in text and "ARG CUDA_CAPABILITY=12.1" in text
+    run = text[text.index("RUN "):text.index("ENV ")]
+    assert ('python3 -m backends.cli.doctor.gpu_arch --build --target-arch "${TARGETARCH}" --capability '
+            '"${CUDA_CAPABILITY}"') in run
+    assert run.index("pip install") < run.index("gpu_arch --build")
+
+
 def test_prometheus_config_and_rules_validate():
     out = promtool("check", "config", str(DOCKER / "prometheus" / "prometheus.yml"))
     assert "SUCCESS" in out
@@ -194,6 +205,22 @@ def test_launchd_service_runs_decode():
     assert args[0].endswith("/disagg") and args[1] == "decode"
     assert args[args.index("--node") + 1] == "NODE_NAME"  # docs/deploy.md: sed it to the Mac's node name
     assert plist["RunAtLoad"] is True and plist["KeepAlive"] == {"SuccessfulExit": False}
+
+
+def test_decode_service_is_a_launch_daemon_that_survives_a_logout():
+    """Installed in the system domain (/Library/LaunchDaemons, root-owned), run as the installing user (UserName):
+    it starts at boot and keeps running with nobody logged in. An old LaunchAgent is stopped and removed."""
+    plist = plistlib.loads((DOCKER / "launchd/com.disagg.decode.plist").read_bytes())
+    assert plist["UserName"] == "USER_NAME" and plist["EnvironmentVariables"]["HOME"] == "USER_HOME"
+    script = (DOCKER / "install-mac.sh").read_text()
+    assert "SERVICE=/Library/LaunchDaemons/com.disagg.decode.plist" in script
+    assert 'sudo install -o root -g wheel -m 644 "$tmp" "$SERVICE"' in script
+    assert 'sudo launchctl bootstrap system "$SERVICE"' in script
+    assert '-e "s/USER_NAME/$(id -un)/"' in script and '-e "s#USER_HOME#$HOME#"' in script
+    # the only gui/ (session) domain use left: removing an agent installed before
+    assert [line.strip() for line in script.splitlines() if "gui/" in line] == [
+        'launchctl bootout "gui/$(id -u)/com.disagg.decode" 2>/dev/null || true']
+    assert "LaunchAgents/com.disagg.decode" not in (ROOT / "docs" / "deploy.md").read_text()
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(DOCKER).as_posix() for p in DOCKER.rglob("*.y*ml")))

@@ -8,7 +8,10 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support.cli import run as disagg
 from tests.support import ROOT
@@ -24,6 +27,12 @@ SKIP = [
     (r"^alias ", "wraps `docker run` (no daemon here); the disagg commands it stands for run below"),
     (r"^launchctl ", "macOS launchd (the plists are checked in test_deploy_files)"),
     (r"^scp ", "copies from the site's gateway box (no site network here)"),
+    (r"^\.venv/bin/python -m bench\.", "measures the running site (tests/bench/test_site_target.py runs bench_split's "
+     "--config path against loopback fakes)"),
+    (r"mlx_lm\.convert ", "downloads the 65 GB checkpoint (no hub here); run on a tiny one in the official format by "
+     "test_gpt_oss_mac_commands_run_as_written"),
+    (r"^python3\.12 -m venv |/\.venv/bin/(pip|python) ", "the Spark's venv route: CUDA 13 aarch64 wheels (no GPU or "
+     "network here; its check is tested in tests/backends/cli/doctor/test_gpu_arch.py)"),
     (r"^(KEY=|for m in|curl |echo$|done$)", "needs the running site (make site's e2e tests send both APIs' requests)"),
 ]
 
@@ -125,3 +134,37 @@ def _compose(cmd: str, repo: Path) -> None:
 def test_commands_split_as_pasted():
     cmds = _split(["a \\", "--b c   # note", "# only a comment", "cat > x <<EOF", "K=1", "EOF", "d"])
     assert cmds == ["a  --b c", "cat > x <<EOF\nK=1\nEOF", "d"]
+
+
+TINY = ROOT / ".disagg" / "site" / "models" / "gpt-oss-tiny"  # `make site-models`: gpt_oss, MXFP4 experts as published
+
+
+@pytest.mark.skipif(not (TINY / "config.json").is_file(), reason="needs `make site-models` (the tiny gpt_oss)")
+def test_gpt_oss_mac_commands_run_as_written(tmp_path):
+    """Section 4's gpt-oss commands, as pasted, on a tiny checkpoint in the official format (MXFP4 experts,
+    quant_method mxfp4) for openai/gpt-oss-120b and a temporary folder for /opt/disagg: mlx-lm's converter with
+    the guide's flags, then `models prepare --mlx ... --against` with the fingerprint spark-1 printed (the prefill
+    side's, computed from its own folder here), and a wrong fingerprint refused."""
+    from kv_bridge.fingerprint import model_fingerprint
+
+    cmds = commands(GUIDE.read_text())
+    convert = next(c for c in cmds if "mlx_lm.convert" in c)
+    prepare = next(c for c in cmds if "--model gpt-oss:120b" in c and "--mlx" in c)
+    opt = tmp_path / "opt"
+    (opt / "downloads").mkdir(parents=True)
+    (opt / "config.toml").write_text((ROOT / "examples" / "site.toml").read_text().replace("/opt/disagg", str(opt)))
+    local = (convert.replace("/opt/disagg/.venv/bin/", f"{Path(sys.executable).parent}/")
+             .replace("/opt/disagg", str(opt)).replace("openai/gpt-oss-120b", str(TINY)))
+    r = subprocess.run(["bash", "-euc", local], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (local, r.stdout, r.stderr)
+    assert '"mode": "mxfp4"' in (opt / "downloads" / "gpt-oss-120b-mlx" / "config.json").read_text()
+    spark1 = model_fingerprint(str(TINY.with_name("gpt-oss-tiny-vllm")))
+    for fp, ok in (("0" * 16, False), (spark1, True)):
+        words = prepare.replace('"$SPARK1_FP"', fp).replace("/opt/disagg", str(opt)).split()
+        r = disagg(*words[1:], cwd=tmp_path)
+        assert "Traceback" not in r.stderr, r.stderr
+        if ok:
+            assert r.returncode == 0 and "fingerprints agree" in r.stdout, r.stdout + r.stderr
+            assert "mlx" in r.stdout and "mxfp4" in r.stdout.lower()
+        else:
+            assert r.returncode == 1 and "fingerprints differ" in r.stderr, r.stdout + r.stderr

@@ -37,8 +37,12 @@ def prefill(ctx: Ctx) -> list[Check]:
         out.append(Check("vllm", FAIL, str(e).split(": install")[0], "install" + str(e).split(": install")[-1]))
         return out
     out.append(_gpu(found[0], cpu, why))
+    if out[-1].status == PASS and _cuda() is not None:  # kernels for this GPU's compute capability (GB10: 12.1)
+        from backends.cli.doctor import gpu_arch
+
+        out += gpu_arch.checks()
     out.append(_connector(ctx))
-    out.append(_prefill_memory(ctx, out[-2]))
+    out.append(_prefill_memory(ctx, next(c for c in out if c.name == "gpu")))
     return out
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from backends.cli.doctor import host
+from backends.cli.procenv import user_name
 from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
@@ -133,9 +134,7 @@ def check_secrets(ctx: Ctx) -> list[Check]:
 
 
 def _secret_file(field: str, p: Path, auth) -> Check:
-    import pwd
-
-    me = pwd.getpwuid(os.geteuid()).pw_name
+    me = user_name()  # "uid N" where the image has no passwd entry (docker run -u UID:GID)
     try:
         st = p.stat()
     except OSError as e:
@@ -158,12 +157,7 @@ def _secret_file(field: str, p: Path, auth) -> Check:
 
 
 def _user(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
+    return user_name(uid)
 
 
 def check_ports(ctx: Ctx) -> list[Check]:

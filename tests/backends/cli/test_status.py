@@ -26,15 +26,20 @@ from tests.support.stack import MODEL_DIR, MODEL_ID, free_port
 SECRET = "status-test-secret-0123456789"
 
 
-def site_config(tmp_path: Path) -> Path:
+def site_config(tmp_path: Path, auth: str = "") -> Path:
     nodes = ""
     for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"),
                        ("decode-1", "decode")):
         kv = f"kv_port = {free_port()}\n" if role == "decode" else ""
         nodes += f'[[nodes]]\nname = "{name}"\nrole = "{role}"\nport = {free_port()}\n{kv}\n'
     path = tmp_path / "config.toml"
-    path.write_text(f"""[auth]
+    path.write_text(f"""[gateway]
+host = "127.0.0.1"
+port = {free_port()}
+
+[auth]
 node_secret = "{SECRET}"
+{auth}
 
 {nodes}
 [[models]]
@@ -117,6 +122,52 @@ async def test_status_table_flags_down_and_mismatch(site):
     assert not any(line.split()[1] == "decode-0" for line in flagged if "->" not in line)
     assert json.loads(json.dumps(status.to_json(result)))["consensus"] == {MODEL_ID: nodes["prefill-0"].fingerprint[
         MODEL_ID]}
+
+
+async def _fake_gateway(settings, key: str) -> web.AppRunner:
+    """A gateway that wants `key`: /health with a queue, POST /fidelity with no pairs; 401 without the key."""
+    def guarded(body):
+        async def handler(request):
+            if request.headers.get("Authorization") != f"Bearer {key}":
+                return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+            return web.json_response(body)
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/health", guarded({"queue": {"models": {}, "waits": {}, "max_wait_s": 300}}))
+    app.router.add_post("/fidelity", guarded({"pairs": []}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, settings.gateway.host, settings.gateway.port).start()
+    return runner
+
+
+async def test_status_from_a_machine_without_the_keys_file(tmp_path, monkeypatch):
+    """The key from --api-key, $DISAGG_API_KEY or the file, in that order; none (the file unreadable here): one line
+    that names the fix, and the table still comes (fidelity asked of the nodes, here all down)."""
+    monkeypatch.delenv(status.API_KEY_ENV, raising=False)
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-from-the-file-0123456789abcdef\n")
+    settings = load_config(site_config(tmp_path, f'api_keys_file = "{keys}"'))
+    assert status.client_key(settings).key == "sk-from-the-file-0123456789abcdef"
+    monkeypatch.setenv(status.API_KEY_ENV, "sk-from-the-env")
+    assert status.client_key(settings).source == "$DISAGG_API_KEY"
+    assert status.client_key(settings, "sk-flag").source == "--api-key"
+    monkeypatch.delenv(status.API_KEY_ENV)
+    keys.unlink()  # the gateway box's file, absent on this machine
+    none = status.client_key(settings)
+    assert none.key is None and "api_keys_file" in none.missing
+    gateway = await _fake_gateway(settings, "sk-good")
+    try:
+        result = await status.collect(settings, probe_bytes=0, timeout=2, key=none)
+        assert result["queue"] is None and "--api-key" in result["key"] and "DISAGG_API_KEY" in result["key"]
+        assert {v.message for v in result["fidelity"]} == {"node down"}
+        result = await status.collect(settings, probe_bytes=0, timeout=2, key=status.client_key(settings, "sk-bad"))
+        assert "refused the API key from --api-key" in result["key"]
+        result = await status.collect(settings, probe_bytes=0, timeout=2, key=status.client_key(settings, "sk-good"))
+        assert result["key"] is None and result["queue"]["max_wait_s"] == 300 and result["fidelity"] == []
+    finally:
+        await gateway.cleanup()
 
 
 def test_agreement_sides_with_prefill_on_a_tie():

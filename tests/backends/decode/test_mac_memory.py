@@ -11,7 +11,7 @@ from kv_bridge.config.settings import load_config
 from kv_bridge.config.source import ConfigError
 from tests.support import ROOT
 
-SITE = ROOT / "examples" / "site.toml"
+SITE = ROOT / "examples" / "site-paired.toml"  # the file that fits a 96 GiB Mac (site.toml: 128)
 GIB = 2**30
 
 
@@ -23,7 +23,7 @@ def fake_sysctl(limit_mb: int, mem_gib: int = 96):
 def site(monkeypatch):
     monkeypatch.setenv("DISAGG_CONFIG", str(SITE))  # load_config sets it; keep it from leaking into other tests
     s = load_config(SITE)
-    return s, s.node("mac-0")
+    return s, s.node("mac-1")  # gpt-oss, the fuller Mac
 
 
 def test_after_a_reboot_the_default_limit_is_too_small_and_the_node_refuses(site):
@@ -33,9 +33,10 @@ def test_after_a_reboot_the_default_limit_is_too_small_and_the_node_refuses(site
     msg = str(e.value)
     assert "72.0 GiB of 96 GiB" in msg and "macOS default" in msg
     assert "sudo sysctl iogpu.wired_limit_mb=90112" in msg and mac_memory.DAEMON in msg
-    assert "qwen3-coder:30b weights 16.1" in msg and "in-flight KV 4.2" in msg
+    assert "gpt-oss:120b weights 61.0" in msg and "in-flight KV 8.0" in msg
     # the start-up refusal counts what config check counts: local prefill, MLX's cache, the process, a session
-    assert all(f"{what} " in msg for what in ("local prefill", "MLX cache", "process", "session")), msg
+    assert all(f"{what} " in msg for what in ("local prefill", "MLX cache", "process", "session", "generated KV",
+                                              "batch join copy")), msg
 
 
 def test_the_install_scripts_limit_fits_the_site_budget(site):
@@ -63,5 +64,5 @@ def test_decode_start_refuses_before_loading_a_model(site, monkeypatch, capsys):
     from backends.cli import main as cli
 
     monkeypatch.setattr(mac_memory, "wired_limit", lambda: mac_memory.WiredLimit(0, 96 * GIB))
-    assert cli.main(["decode", "--config", str(SITE), "--node", "mac-0"]) == cli.EXIT_CONFIG
+    assert cli.main(["decode", "--config", str(SITE), "--node", "mac-1"]) == cli.EXIT_CONFIG
     assert "iogpu.wired_limit_mb=90112" in capsys.readouterr().err
