@@ -140,8 +140,8 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
                   "arrived), untrimmable_cache", ("model", "path"))
     k = family(GaugeMetricFamily, "disagg_decode_spec_num_draft", "Draft length the controller uses now (0: off, "
                "probing every probe_every plain steps)")
-    rate = family(GaugeMetricFamily, "disagg_decode_spec_acceptance", "Acceptance per drafted token (EWMA over "
-                  "verify steps)")
+    rate = family(GaugeMetricFamily, "disagg_decode_spec_acceptance", "Per-token acceptance alpha the controller "
+                  "estimates: accepted / (accepted + rejections), discounted over recent verify steps")
     for mid, m in models.items():
         ctl = m.speculation
         if not ctl.enabled:
