@@ -213,6 +213,10 @@ class MLXModel:
                         spec = self._admit(batch, spec, job, alone=jobs == 1)
                 if spec is not None and not spec.step():
                     spec = None
+                elif spec is not None and spec.wants_batch:  # speculation off: the pipelined batch decodes faster
+                    batch.adopt(spec)
+                    self.speculation.stats.ran("speculation_off")
+                    spec = None
                 if batch is not None:
                     batch.step()
                     self.batch_size = len(batch.jobs) + (spec is not None)

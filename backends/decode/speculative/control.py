@@ -107,6 +107,10 @@ class SpecController:
         n = self._acc + self._rej
         return min(1.0, self.rate + (self.rate * (1.0 - self.rate) / n) ** 0.5)
 
+    def new_generation(self) -> None:
+        """A generation starts on the speculative path: while off, its first step probes (its text may quote)."""
+        self._since_off = self.cfg.probe_every
+
     def draft_len(self) -> int:
         """How many tokens to draft for the next verify step (0: a plain step)."""
         if not self.cfg.adaptive:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from backends.decode.batch import LeadingSpace, _finish, _Running, token_line
+from backends.decode.speculative.control import outcome
 from backends.decode.speculative.drafters import DraftModel, PromptLookup
 from backends.decode.sampling import make_sampling
 
@@ -26,7 +27,8 @@ CONTEXT = 64  # tokens handed to the logits processors (penalties look at the la
 
 class SpecRun:
     """A job on the speculative path. MLX thread only. `start()` builds its cache (False: not trimmable, the batch
-    must take it); `step()` advances one prefill chunk or one verify step and returns False once the job has left."""
+    must take it); `step()` advances one prefill chunk (the target's, then a draft model's) or one verify step and
+    returns False once the job has left; `wants_batch` says when speculation is off and the batch should take it."""
 
     def __init__(self, m, job) -> None:
         self.m, self.job, self.ctl = m, job, m.speculation
@@ -37,17 +39,22 @@ class SpecRun:
         self.n = 0  # tokens emitted
         self.sampler, self.processors = make_sampling(job.gen, [], m.vocab_size, job.grammar)
         self.eos = set(m.tokenizer.eos_token_ids)
+        self._plain_off = 0  # consecutive plain steps while the controller is off
 
     def start(self) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
+        from kv_bridge.mlx.cache import rollback_caches
+
         job = self.job
-        self.cache = job.make_cache() if job.make_cache else make_prompt_cache(self.m.model)
-        if not can_trim_prompt_cache(self.cache):  # e.g. a sliding-window layer past its window (gpt-oss)
+        cache = job.make_cache() if job.make_cache else make_prompt_cache(self.m.model)
+        self.cache = rollback_caches(cache)  # sliding-window layers (gpt-oss) roll back past their window
+        if not can_trim_prompt_cache(self.cache):  # e.g. a recurrent layer's state: the batch must take it
             return False
         cfg = self.ctl.cfg
         self.drafter = (DraftModel(self.m.draft_model, self.seq) if cfg.method == "draft"
                         else PromptLookup(self.seq, cfg.ngram_min, cfg.ngram_max))
+        self.ctl.new_generation()
         return True
 
     @property
@@ -67,6 +74,8 @@ class SpecRun:
                 mx.eval([c.state for c in self.cache])
                 self.fed = end
                 return True
+            if self.drafter.prefill_step():  # a draft model's own prefill, a chunk a step like any prompt
+                return True
             return self._verify()
         except Exception as e:  # the request's failure, reported as its error line; the loop goes on
             log.exception("speculative generation failed")
@@ -79,8 +88,9 @@ class SpecRun:
         from mlx_lm.models.cache import trim_prompt_cache
 
         gen = self.job.gen
-        k = min(self.ctl.draft_len(), gen.max_tokens - self.n - 1, _room(self.cache))
+        k = min(self.ctl.draft_len(), gen.max_tokens - self.n - 1)
         drafts = self.drafter.draft(k) if k > 0 else []
+        before = len(self.seq)
         inputs = [self.seq[-1], *drafts]
         logits = self.m.model(mx.array([inputs]), cache=self.cache)[0]  # (1 + len(drafts), vocab)
         self.fed += len(inputs)
@@ -108,11 +118,21 @@ class SpecRun:
                 raise RuntimeError("the cache could not drop the refused drafted tokens")
             self.fed -= extra
         self.drafter.accepted(kept)
-        self.ctl.record(len(drafts), kept)
+        self.ctl.record(len(drafts), *outcome(drafts, self.seq[before:]))
         if reason is not None:
             self._leave()
             return False
+        self._plain_off = self._plain_off + 1 if not drafts and self.ctl.k == 0 else 0
         return True
+
+    @property
+    def wants_batch(self) -> bool:
+        """Speculation is off for this generation: the controller is off and not probing, or its probe found
+        nothing to draft for probe_every steps. The batch (pipelined) decodes plain steps faster."""
+        ctl = self.ctl
+        if not ctl.cfg.adaptive or ctl.k > 0 or self.fed < len(self.seq) - 1:
+            return False
+        return ctl.draft_len() == 0 or self._plain_off >= ctl.cfg.probe_every
 
     def _leave(self) -> None:
         """Finished or cancelled: the cache (holding seq[:fed]) goes to on_finished, then the job's end."""
@@ -133,13 +153,6 @@ class SpecRun:
         return dict(tokens=self.seq[self.fed:], cache=self.cache, all_tokens=self.seq[:self.fed],
                     max_tokens=self.job.gen.max_tokens - self.n, sampler=self.sampler, processors=self.processors,
                     running=self.run)
-
-
-def _room(cache) -> int:
-    """Most tokens a step may draft and still trim: a sliding-window layer (RotatingKVCache, gpt-oss) can trim only
-    while it holds fewer tokens than its window, so past the window every step is plain."""
-    sizes = [c.max_size - c.offset - 2 for c in cache if getattr(c, "max_size", None)]
-    return max(0, min(sizes)) if sizes else 1 << 30
 
 
 def accept_drafts(logits, drafts: list[int], pick) -> int:
