@@ -227,3 +227,17 @@ def test_metrics_show_drafted_accepted_and_the_controller():
     d = 1 - on.cfg.ewma_alpha
     assert sample_value(text, "disagg_decode_spec_acceptance", model="a") == pytest.approx((d + 3) / (2 * d + 4))
     assert sample_value(text, "disagg_decode_spec_drafted_tokens_total", model="b") is None  # off: not shown
+
+
+def test_site_verify_cost_from_what_a_verify_forward_reads():
+    """The KV read is shared by a verify forward's tokens: the longer the context, the cheaper each drafted token;
+    experts are not (each token routes to its own), so gpt-oss (4 of 128, bigger experts) pays more than Qwen3-Coder."""
+    from backends.decode.speculative.gain import SHAPES, decode_speedup, forward_cost, verify_cost
+
+    qwen, oss = SHAPES["qwen3_moe"], SHAPES["gpt_oss"]
+    assert verify_cost(qwen, 25000, 4) < verify_cost(qwen, 6000, 4) < verify_cost(qwen, 0, 4) < 1.0
+    assert verify_cost(oss, 25000, 4) > verify_cost(qwen, 25000, 4)
+    assert forward_cost(qwen, 0, 1) == 1.0
+    assert forward_cost(qwen, 0, 5, repeat=1.0) > forward_cost(qwen, 0, 2)  # independent routing: more experts
+    assert decode_speedup(qwen, 25000, 0.0, 0.5) == (0, 1.0)  # nothing kept: never pays
+    assert decode_speedup(qwen, 25000, 0.9, 0.8)[1] > decode_speedup(oss, 25000, 0.9, 0.8)[1] > 1.0
