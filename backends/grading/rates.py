@@ -11,7 +11,7 @@ from kv_bridge.dtypes import itemsize
 
 from backends.decode.budget import geometry, kv_per_token
 from backends.decode.speculative.gain import SHAPES, decode_speedup
-from backends.grading.predict import ModelRates, Route, Site, interp
+from backends.grading.predict import ModelRates, Route, Site
 
 # docs/deploy.md section 9. Spark prefill: llama.cpp's DGX Spark benchmark (ggml-org/llama.cpp discussion 16578,
 # pp2048 at depth): Qwen3-Coder-30B-A3B ~2.9k tok/s at 8k falling to ~1.3k at 32k, gpt-oss-120b ~1.75k to ~1.15k.
@@ -34,10 +34,10 @@ SPEC_ALPHA, SPEC_MATCH = 0.75, 0.47
 SPEC_DEPTHS = (0, 6000, 12000, 18000, 25000, 32768)
 
 
-def speculative_decode(family: str, decode: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-    """A model's decode rates by depth times the speculative speedup at that depth (1 where none pays)."""
+def speculative_speedup(family: str) -> tuple[tuple[int, float], ...]:
+    """A model's decode speedup by context depth, for a generation alone in its model's batch (1 where none pays)."""
     shape = SHAPES[family]
-    return tuple((d, interp(decode, d) * decode_speedup(shape, d, SPEC_ALPHA, SPEC_MATCH)[1]) for d in SPEC_DEPTHS)
+    return tuple((d, decode_speedup(shape, d, SPEC_ALPHA, SPEC_MATCH)[1]) for d in SPEC_DEPTHS)
 
 
 def _geometry(settings: Settings, base: Path) -> dict[str, dict]:
@@ -65,7 +65,8 @@ def routes(settings: Settings) -> dict[str, Route]:
 
 def published_site(settings: Settings, base: Path, speculative: bool = False) -> Site:
     """The config's topology at the published rates; a model of another family is a ValueError naming the known.
-    `speculative`: each model's decode sped up by prompt lookup as modelled (speculative_decode)."""
+    `speculative`: a generation alone in its model's batch sped up by prompt lookup as modelled
+    (speculative_speedup)."""
     geo = _geometry(settings, base)
     rates = {}
     for r in settings.models:
@@ -76,8 +77,8 @@ def published_site(settings: Settings, base: Path, speculative: bool = False) ->
                              f"{sorted(PUBLISHED_RATES)}: predict a site of other models from a running gateway")
         wire, held = _kv_bytes(geo.get(r.id), settings.kv.wire_dtype)
         local = tuple((d, v / MAC_ALONE_SLOWER) for d, v in pub["prefill"])
-        decode = speculative_decode(family, pub["decode"]) if speculative else pub["decode"]
-        rates[r.id] = ModelRates(pub["prefill"], local, decode, wire, held)
+        spec = speculative_speedup(family) if speculative else ((0, 1.0),)
+        rates[r.id] = ModelRates(pub["prefill"], local, pub["decode"], wire, held, spec_speedup=spec)
     return Site(routes(settings), rates, LINK_10GBE, settings.kv.max_inflight_bytes, settings.decode.max_batch_size,
                 MAC_BATCH_COST)
 
