@@ -9,6 +9,16 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 
+# A draft for each site model with the same tokenizer (`disagg models prepare --role draft` checks the tokenizer
+# files): Qwen3's small dense model shares Qwen3-Coder's byte-level BPE (151,643 tokens + Qwen3's added ones);
+# gpt-oss-20b shares gpt-oss-120b's o200k_harmony. docs/speculative.md weighs what each costs on a Mac.
+SITE_DRAFTS = {
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": "Qwen/Qwen3-0.6B",
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8": "Qwen/Qwen3-0.6B",
+    "openai/gpt-oss-120b": "openai/gpt-oss-20b",
+}
+
+
 class SpeculativeConfig(BaseModel):
     """Off by default. A decode node drafts only while the model's batch holds one generation (the lab's case: one
     request per model at a time); with more it decodes the batch as before."""
