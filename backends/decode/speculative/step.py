@@ -40,6 +40,8 @@ class SpecRun:
         self.sampler, self.processors = make_sampling(job.gen, [], m.vocab_size, job.grammar)
         self.eos = set(m.tokenizer.eos_token_ids)
         self._plain_off = 0  # consecutive plain steps while the controller is off
+        self.pending = None  # a plain step's (token, logprobs), lazy, evaluating: not yet emitted
+        self._chain = True  # whether the next plain step starts before the pending token is read
 
     def start(self) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
@@ -76,39 +78,101 @@ class SpecRun:
                 return True
             if self.drafter.prefill_step():  # a draft model's own prefill, a chunk a step like any prompt
                 return True
-            return self._verify()
+            if self.pending is not None:
+                return self._advance_plain()
+            k = min(self.ctl.draft_len(), self.job.gen.max_tokens - self.n - 1)
+            drafts = self.drafter.draft(k) if k > 0 else []
+            if not drafts:  # a plain step, pipelined: its token is read at the next step
+                self.pending = self._launch(mx.array(self.seq[-1:]), mx.array(self.seq[-CONTEXT:]))
+                self._plain(True)
+                return True
+            return self._verify(drafts)
         except Exception as e:  # the request's failure, reported as its error line; the loop goes on
             log.exception("speculative generation failed")
             self.job.emit(("error", f"{type(e).__name__}: {e}"))
             self._leave()
             return False
 
-    def _verify(self) -> bool:
+    def _launch(self, y, context):
+        """A plain step as BatchGenerator runs it: the forward over y (known, or the lazy token of the step before),
+        its row through the processors and the sampler, evaluated asynchronously: (token, logprobs), both lazy."""
+        import mlx.core as mx
+
+        row = self.m.model(y.reshape(1, 1), cache=self.cache)[0]  # (1, vocab)
+        self.fed += 1
+        for p in self.processors:
+            row = p(context, row)
+        logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
+        token = self.sampler(logprobs)
+        mx.async_eval(token, logprobs)
+        return token, logprobs
+
+    def _advance_plain(self) -> bool:
+        """The pending token: while nothing can be drafted, build and start the next plain step on it before reading
+        it (the pipeline), then emit it."""
+        import mlx.core as mx
+
+        token, logprobs = self.pending
+        self.pending = None
+        if self._chain and self.n + 1 < self.job.gen.max_tokens:
+            context = mx.concatenate([mx.array(self.seq[-(CONTEXT - 1):]), token.astype(mx.int32)])
+            self.pending = self._launch(token, context)
+            self._plain(False)
+        if self._emit(int(token.item()), logprobs):
+            self._leave()
+            return False
+        # Go on chaining while the drafter has nothing for the text so far; else the next step reads the pending
+        # token and drafts from there.
+        self._chain = self.ctl.draft_len() == 0 or (isinstance(self.drafter, PromptLookup)
+                                                    and not self.drafter.draft(1))
+        return True
+
+    def _plain(self, first: bool) -> None:
+        self.ctl.record(0, 0)
+        self._chain = self._chain if not first else True
+        self._plain_off = self._plain_off + 1 if self.ctl.k == 0 else 0
+
+    def settle(self) -> bool:
+        """Before the batch takes it: the pending token, if any, read and emitted (its sampler draw is spent).
+        False: that token ended the generation, which has left."""
+        if self.pending is None:
+            return True
+        token, logprobs = self.pending
+        self.pending = None
+        if self._emit(int(token.item()), logprobs):
+            self._leave()
+            return False
+        return True
+
+    def _emit(self, token: int, logprobs) -> bool:
+        """One sampled token to the request, in order; True when it ends the generation."""
+        gen = self.job.gen
+        self.seq.append(token)
+        self.n += 1
+        reason = "stop" if token in self.eos else "length" if self.n >= gen.max_tokens else None
+        self.job.emit(("token", token_line(token, self.run.text(token, reason), logprobs[0], gen), reason))
+        return reason is not None
+
+    def _verify(self, drafts: list[int]) -> bool:
         import mlx.core as mx
         from mlx_lm.models.cache import trim_prompt_cache
 
-        gen = self.job.gen
-        k = min(self.ctl.draft_len(), gen.max_tokens - self.n - 1)
-        drafts = self.drafter.draft(k) if k > 0 else []
         before = len(self.seq)
         inputs = [self.seq[-1], *drafts]
         logits = self.m.model(mx.array([inputs]), cache=self.cache)[0]  # (1 + len(drafts), vocab)
         self.fed += len(inputs)
-        reason = None
+        finished = False
 
         def pick(row):
-            nonlocal reason
+            nonlocal finished
             if self.processors:
                 context = mx.array(self.seq[-CONTEXT:])
                 for p in self.processors:
                     row = p(context, row)
             logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
             token = int(self.sampler(logprobs).item())
-            self.seq.append(token)
-            self.n += 1
-            reason = "stop" if token in self.eos else "length" if self.n >= gen.max_tokens else None
-            self.job.emit(("token", token_line(token, self.run.text(token, reason), logprobs[0], gen), reason))
-            return token, reason is not None
+            finished = self._emit(token, logprobs)
+            return token, finished
 
         kept = accept_drafts(logits, drafts, pick)
         # The cache ran every input; it keeps y and the drafted tokens that were emitted as drafted.
@@ -119,10 +183,10 @@ class SpecRun:
             self.fed -= extra
         self.drafter.accepted(kept)
         self.ctl.record(len(drafts), *outcome(drafts, self.seq[before:]))
-        if reason is not None:
+        if finished:
             self._leave()
             return False
-        self._plain_off = self._plain_off + 1 if not drafts and self.ctl.k == 0 else 0
+        self._plain_off = 0
         return True
 
     @property
