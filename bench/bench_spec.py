@@ -171,8 +171,8 @@ def plain_steps(m, prompts, kvs, max_tokens: int) -> None:
             spec += p["stamps"][-1] - p["stamps"][0]
             n += len(b["stamps"]) - 1
     print(f"\nPlain steps: speculative path {1000 * spec / n:.1f} ms/token, batch path {1000 * batch / n:.1f} ms/token "
-          f"({n} tokens each): speculative / batch = {spec / batch:.2f}x (not pipelined: it evaluates and reads "
-          "each token before building the next step; the batch builds step n+1 while step n evaluates)")
+          f"({n} tokens each): speculative / batch = {spec / batch:.2f}x (both pipelined: step n+1 is built and "
+          "started while step n evaluates)")
 
 
 def predict(steps: list[tuple[int, int]], num_draft: int) -> None:
