@@ -137,11 +137,11 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
                    "(drafted tokens checked in one forward) or plain (nothing drafted)", ("model", "kind"))
     runs = family(CounterMetricFamily, "disagg_decode_spec_generations", "Generations by how they decoded: "
                   "speculative, batch (others in the batch), joined_batch (left the speculative path when another "
-                  "arrived), untrimmable_cache", ("model", "path"))
+                  "arrived), speculation_off (handed to the batch when drafting did not pay), untrimmable_cache", ("model", "path"))
     k = family(GaugeMetricFamily, "disagg_decode_spec_num_draft", "Draft length the controller uses now (0: off, "
                "probing every probe_every plain steps)")
-    rate = family(GaugeMetricFamily, "disagg_decode_spec_acceptance", "Acceptance per drafted token (EWMA over "
-                  "verify steps)")
+    rate = family(GaugeMetricFamily, "disagg_decode_spec_acceptance", "Per-token acceptance alpha the controller "
+                  "estimates: accepted / (accepted + rejections), discounted over recent verify steps")
     for mid, m in models.items():
         ctl = m.speculation
         if not ctl.enabled:

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from backends.decode.engine import Job, MLXModel
 from backends.decode.speculative.drafters import load_draft, truncated_draft
 from backends.decode.speculative.control import SpecController
+from backends.decode.speculative.gain import SHAPES, forward_cost, verify_cost
 from kv_bridge.config.speculative import SpeculativeConfig
 from kv_bridge.protocol import Sampling
 
@@ -79,13 +80,13 @@ def run(m: MLXModel, ids, kv, sampling: dict, max_tokens: int) -> dict:
             stamps.append(time.perf_counter())
             out.append(ev)
     s0 = dict(vars(m.speculation.stats))
-    s0.pop("requests")
+    r0 = dict(s0.pop("requests"))
     ks = []
     record = m.speculation.record
 
-    def traced(drafted, accepted):
+    def traced(drafted, accepted, rejected=None):
         ks.append((drafted, accepted))
-        record(drafted, accepted)
+        record(drafted, accepted, rejected)
     m.speculation.record = traced
     gen = Sampling.from_json({"max_tokens": max_tokens, **sampling})
     t0 = time.perf_counter()
@@ -95,8 +96,9 @@ def run(m: MLXModel, ids, kv, sampling: dict, max_tokens: int) -> dict:
     m.speculation.record = record
     s = m.speculation.stats
     d = {k: getattr(s, k) - v for k, v in s0.items()}
+    handed = s.requests.get("speculation_off", 0) - r0.get("speculation_off", 0)
     return dict(tokens=[e[1].token_id for e in out if e[0] == "token"], seconds=(stamps[-1] - t0) if stamps else 0,
-                ks=ks, **d)
+                ks=ks, handed=handed, stamps=[t - t0 for t in stamps], **d)
 
 
 def use(m: MLXModel, **cfg) -> None:
@@ -134,45 +136,60 @@ def section(m, prompts, kvs, label, max_tokens, num_draft, draft_ok):
 
 def controller(m, prompts, kvs, label, max_tokens, num_draft, method, verify_cost, draft_cost=0.0):
     """The adaptive controller at a given cost: tokens drafted per step ('.': none, the controller is off or the
-    n-gram lookup found no match)."""
+    n-gram lookup found no match; '|': the generation went to the batch, speculation off)."""
     use(m, method=method, draft_path="built", num_draft=num_draft, verify_cost=verify_cost, draft_cost=draft_cost,
         probe_every=8)
-    ks = []
+    trace = []
     for ids, kv in zip(prompts, kvs):
-        ks += [d for d, _ in run(m, ids, kv, GREEDY, max_tokens)["ks"]]
+        r = run(m, ids, kv, GREEDY, max_tokens)
+        trace.append("".join(str(k) if k else "." for k, _ in r["ks"]) + ("|" if r["handed"] else ""))
     c = m.speculation
-    print(f"  {label:9s} {method:13s} cost {verify_cost:.2f}+{draft_cost:.2f}: drafted per step "
-          f"{''.join(str(k) if k else '.' for k in ks)}; acceptance EWMA {c.rate:.2f}, draft length now {c.k}")
+    print(f"  {label:9s} {method:13s} cost {verify_cost:.2f}+{draft_cost:.2f}: {' / '.join(trace)}; alpha "
+          f"{c.rate:.2f}, k now {c.k}")
 
 
-# Site prediction (docs/speculative.md). Verify cost on Metal: llama.cpp PR #10581 (ggml-org/llama.cpp, "metal:
-# small-batch mat-mul kernels", qwen2 7B Q8_0, after the PR): pp1 70.41, pp2 126.66, pp4 200.40, pp5 207.24,
-# pp8 260.76 tokens/s, i.e. a forward of n tokens costs this many single-token forwards:
-DENSE_COST = {1: 1.0, 2: 2 * 70.41 / 126.66, 4: 4 * 70.41 / 200.40, 5: 5 * 70.41 / 207.24, 8: 8 * 70.41 / 260.76}
-# MoE: n tokens route to up to n * top_k distinct experts per layer, each read from memory. Shapes from each
-# model's config.json (hidden, layers, q/kv heads x head_dim, experts, top_k, expert intermediate, vocab).
-SITE = {"qwen3-coder:30b (Qwen3-Coder-30B-A3B)": dict(h=2048, L=48, q=32 * 128, kv=4 * 128, E=128, top=8, ffn=768,
-                                                         vocab=151936),
-        "gpt-oss:120b": dict(h=2880, L=36, q=64 * 64, kv=8 * 64, E=128, top=4, ffn=2880, vocab=201088)}
+class _PlainOnly(SpecController):
+    """The speculative path with nothing drafted, and never handed to the batch: its plain steps, timed."""
+
+    def draft_len(self) -> int:
+        return 0
 
 
-def dense_cost(n: int) -> float:
-    """Single-token forwards a forward of n tokens costs (interpolated in the published figures)."""
-    xs = sorted(DENSE_COST)
-    for a, b in zip(xs, xs[1:]):
-        if a <= n <= b:
-            return DENSE_COST[a] + (DENSE_COST[b] - DENSE_COST[a]) * (n - a) / (b - a)
-    return DENSE_COST[xs[-1]] * n / xs[-1]
+def plain_steps(m, prompts, kvs, max_tokens: int) -> None:
+    """Wall-clock per token after the first, the speculative path's plain steps against the batch's, same run,
+    alternating (this machine's load drifts)."""
+    spec = batch = 0.0
+    n = 0
+    for _ in range(2):
+        for ids, kv in zip(prompts, kvs):
+            use(m, method="off")
+            b = run(m, ids, kv, GREEDY, max_tokens)
+            m.speculation = _PlainOnly(SpeculativeConfig(method="prompt_lookup", adaptive=False))
+            p = run(m, ids, kv, GREEDY, max_tokens)
+            assert p["tokens"] == b["tokens"] and p["verify_steps"] == 0
+            batch += b["stamps"][-1] - b["stamps"][0]
+            spec += p["stamps"][-1] - p["stamps"][0]
+            n += len(b["stamps"]) - 1
+    print(f"\nPlain steps: speculative path {1000 * spec / n:.1f} ms/token, batch path {1000 * batch / n:.1f} ms/token "
+          f"({n} tokens each): speculative / batch = {spec / batch:.2f}x (both pipelined: step n+1 is built and "
+          "started while step n evaluates)")
 
 
-def moe_cost(s: dict, n: int) -> float:
-    """Forward of n tokens over one token's, memory-bound: the dense part (attention, LM head) as the dense figures
-    say, the expert part by the expected distinct experts (independent routing: an upper bound)."""
-    dense = s["L"] * (2 * s["h"] * s["q"] + 2 * s["h"] * s["kv"]) + s["vocab"] * s["h"]
-    expert = 3 * s["h"] * s["ffn"]
-    active = s["L"] * s["top"] * expert
-    distinct = s["E"] * (1 - (1 - s["top"] / s["E"]) ** n) / s["top"]
-    return (dense * dense_cost(n) + active * distinct) / (dense + active)
+def predict(steps: list[tuple[int, int]], num_draft: int) -> None:
+    """The measured prompt-lookup steps replayed with each site model's verify cost at the class's prompt lengths
+    (backends/decode/speculative/gain.py: weights and KV read once per forward, experts per token routed)."""
+    drafted = [st for st in steps if st[0]]
+    print(f"\nSite prediction (Mac, memory-bound decode): the grading-like prompt-lookup steps above replayed "
+          f"({len(steps)} steps, {len(drafted)} drafted, {sum(a for _, a in steps)} tokens kept) with each model's "
+          "cost of a forward over k+1 tokens at 6k / 15k / 25k tokens of context:")
+    for family, name in (("qwen3_moe", "qwen3-coder:30b"), ("gpt_oss", "gpt-oss:120b")):
+        for ctx in (6000, 15000, 25000):
+            cost = lambda n, c=ctx: forward_cost(SHAPES[family], c, n)  # noqa: E731
+            gains = {k: replay(steps, k, cost) for k in range(1, num_draft + 1)}
+            k = max(gains, key=gains.get)
+            print(f"  {name:16s} {ctx:6d}: forward of 2/3/5 tokens = {cost(2):.2f}/{cost(3):.2f}/{cost(5):.2f} "
+                  f"plain steps (verify_cost at k=4: {verify_cost(SHAPES[family], ctx, 4):.2f}); best k={k}: "
+                  f"decode {gains[k]:.2f}x")
 
 
 def replay(steps: list[tuple[int, int]], k: int, cost) -> float:
@@ -184,25 +201,6 @@ def replay(steps: list[tuple[int, int]], k: int, cost) -> float:
     return tokens / time_
 
 
-def predict(steps: list[tuple[int, int]], num_draft: int) -> None:
-    drafted = [st for st in steps if st[0]]
-    print(f"\nSite prediction (Mac Studio, memory-bound decode): the grading-like prompt-lookup steps above replayed "
-          f"({len(steps)} steps, {len(drafted)} drafted, {sum(a for _, a in steps)} tokens kept) with each model's cost "
-          "of verifying k+1 tokens:")
-    models = {"dense 7B (llama.cpp figures, for scale)": dense_cost,
-              **{name: (lambda n, s=s: moe_cost(s, n)) for name, s in SITE.items()}}
-    for name, cost in models.items():
-        gains = {k: replay(steps, k, cost) for k in range(1, num_draft + 1)}
-        k = max(gains, key=gains.get)
-        # A 25k-token grading prompt: ~20 s prefill on a Spark, 3,000 tokens at 60 tokens/s (docs/deploy.md).
-        before, after = 20 + 3000 / 60, 20 + 3000 / 60 / gains[k]
-        print(f"  {name}: verify of 2/3/5 tokens = {cost(2):.2f}/{cost(3):.2f}/{cost(5):.2f} plain steps; best k={k}: "
-              f"decode {gains[k]:.2f}x; a grading request {before:.0f} s -> {after:.0f} s; "
-              f"{'pays' if gains[k] > 1.05 else 'does not pay: leave it off'}")
-    print("  gpt-oss:120b: its sliding-window layers (RotatingKVCache, 128 tokens) can be trimmed only while the window "
-          "has room, so past 128 tokens the node drafts nothing for it anyway.")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -210,7 +208,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one prompt per kind, no draft model")
     a = ap.parse_args()
     m = MLXModel("smollm2:135m", str(MODEL_DIR))
-    m.load()
+    m.executor.submit(m.load).result()  # on the model's own thread, as the node loads it
     m.start()
     grading, unrelated = (GRADING[:1], UNRELATED[:1]) if a.quick else (GRADING, UNRELATED)
     chat = [lambda t: m.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)]
@@ -235,14 +233,19 @@ def main() -> None:
     print("(acc/verify: drafted tokens kept per verify step; tok/step: tokens per target forward, plain steps "
           "included; same: outputs equal to plain decoding; ms/token and vs plain: this machine, compute-bound)")
     plain_ms = next(r[8] for r in rows if r[2] == "plain")
-    print(f"\nController (adaptive, greedy). Verify cost 0.15 a drafted token: a Mac, dense model (llama.cpp figures "
-          f"below); 1.00: this machine (plain {plain_ms:.0f} ms/token, verify ~linear in tokens); the draft model "
-          "adds its own cost, 26/30 of a target step here:")
-    for cost in (0.15, 1.0):
+    print(f"\nController (adaptive prompt lookup, greedy, probe_every 8), drafted per step. At a Mac's verify cost for "
+          f"each site model (gain.py at 15k tokens of context, k = 4), and at this machine's (1.00: plain "
+          f"{plain_ms:.0f} ms/token, a verify forward ~linear in its tokens):")
+    for family, name in (("qwen3_moe", "qwen3-coder"), ("gpt_oss", "gpt-oss")):
+        cost = round(verify_cost(SHAPES[family], 15000, 4), 2)
+        print(f" {name} (verify_cost {cost}):")
         controller(m, g_ids, g_kv, "grading", a.max_tokens, a.num_draft, "prompt_lookup", cost)
         controller(m, u_ids, u_kv, "unrelated", a.max_tokens, a.num_draft, "prompt_lookup", cost)
+    print(" this machine (verify_cost 1.0):")
+    controller(m, g_ids, g_kv, "grading", a.max_tokens, a.num_draft, "prompt_lookup", 1.0)
     if not a.quick:
         controller(m, u_ids, u_kv, "unrelated", a.max_tokens, 3, "draft", 0.15, 26 / 30)
+    plain_steps(m, g_ids, g_kv, a.max_tokens)
     predict(steps, a.num_draft)
     m.stop()
 

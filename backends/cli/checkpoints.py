@@ -204,3 +204,45 @@ def prepare(model_id: str, dest: Path, role: str, hf: str | None = None, mlx: st
         shutil.rmtree(downloaded, ignore_errors=True)
         sides[-1].folder = Path(f"{downloaded} (removed after conversion)")
     return sides
+
+
+def tokenizer_differences(draft: Path, target: Path) -> list[str]:
+    """What differs between two folders' tokenizers, by their files: tokenizer.json's model (vocabulary, merges) and
+    added tokens (id and text), and the EOS the configs name. Empty: a draft can propose the target's token ids."""
+    out = []
+    a, b = _json(draft / "tokenizer.json"), _json(target / "tokenizer.json")
+    if not a or not b:
+        return [f"no tokenizer.json in {draft if not a else target}"]
+    if a.get("model") != b.get("model"):
+        va, vb = (a.get("model") or {}).get("vocab") or {}, (b.get("model") or {}).get("vocab") or {}
+        out.append(f"tokenizer.json model differs ({len(va)} vs {len(vb)} tokens in the vocabulary)")
+    added = [{t.get("id"): t.get("content") for t in x.get("added_tokens") or []} for x in (a, b)]
+    shared = set(added[0]) & set(added[1])
+    clash = sorted(i for i in shared if added[0][i] != added[1][i])
+    if clash:
+        out.append(f"added tokens differ at ids {clash[:5]}")
+    return out
+
+
+def prepare_draft(model_id: str, dest: Path, target: Path, hf: str | None = None, mlx: str | None = None,
+                  bits: int | None = None) -> Side:
+    """The draft model's MLX folder at `dest` (fetched, or converted from `hf`), refused unless its tokenizer files
+    match the target's decode folder (`target`)."""
+    if not (target / "tokenizer.json").is_file():
+        raise CheckpointError(f"{model_id}: prepare the decode side first ({target} has no tokenizer.json)")
+    if bits:
+        if hf is None:
+            raise CheckpointError(f"{model_id}: --bits converts an HF checkpoint: pass --hf FOLDER_OR_HUB_ID")
+        src = Path(hf) if Path(hf).expanduser().is_dir() else fetch(hf, dest.with_name(dest.name + ".hf"))
+        folder = convert(src, dest, bits)
+    elif mlx is not None:
+        folder = fetch(mlx, dest)
+    elif (dest / "config.json").is_file():
+        folder = dest
+    else:
+        raise CheckpointError(f"{model_id}: pass --mlx FOLDER_OR_HUB_ID (or --hf SRC --bits 4) for the draft")
+    diff = tokenizer_differences(folder, target)
+    if diff:
+        raise CheckpointError(f"{model_id}: the draft at {folder} has a different tokenizer from {target}: "
+                              + "; ".join(diff) + ": a draft must propose the target's token ids")
+    return side("draft", folder)

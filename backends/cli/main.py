@@ -52,8 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="manage model folders").add_subparsers(dest="action", required=True)
     prep = models.add_parser("prepare", parents=[common], help="build the embedded models named in the config")
     prep.add_argument("--model", help="only this model id (default: every [[models]] route)")
-    prep.add_argument("--role", choices=("prefill", "decode", "gateway"), help="a real checkpoint for this side "
-                      "(with --model); gateway: only its tokenizer, chat template and config.json, copied from --hf")
+    prep.add_argument("--role", choices=("prefill", "decode", "gateway", "draft"), help="a real checkpoint for this "
+                      "side (with --model); gateway: only its tokenizer, chat template and config.json, copied from "
+                      "--hf; draft: the speculative draft model at speculative.draft_path, its tokenizer files "
+                      "checked against the decode side's")
     prep.add_argument("--hf", metavar="SRC", help="HF checkpoint: a local folder or a hub id (prefill side; the "
                       "source --bits converts)")
     prep.add_argument("--mlx", metavar="SRC", help="decode side: an MLX folder or hub id, used as it is")
@@ -211,6 +213,8 @@ def _prepare_checkpoint(routes, args: argparse.Namespace) -> int:
             return 1
         print(f"{route.id}: gateway files ready in {dest}: {', '.join(sorted(p.name for p in dest.iterdir()))}")
         return 0
+    if args.role == "draft":
+        return _prepare_draft(route, args)
     try:
         sides = checkpoints.prepare(route.id, resolve_model_path(route), args.role, hf=args.hf, mlx=args.mlx,
                                     bits=args.bits, against=args.against)
@@ -219,6 +223,24 @@ def _prepare_checkpoint(routes, args: argparse.Namespace) -> int:
         return 1
     agree = "fingerprints agree" if len(sides) == 2 else "no other side given (--against) to compare with"
     print(f"{route.id}: {args.role} side ready; {agree}\n" + "\n".join(s.line() for s in sides))
+    return 0
+
+
+def _prepare_draft(route, args: argparse.Namespace) -> int:
+    from backends.cli import checkpoints
+    from kv_bridge.config.speculative import SITE_DRAFTS
+
+    if not route.speculative.draft_path:
+        raise ConfigError(f"--role draft: set [models.speculative] draft_path for {route.id} (where its draft goes)")
+    suggested = next((SITE_DRAFTS[n] for n in (*route.aliases, route.id) if n in SITE_DRAFTS), None)
+    mlx = args.mlx or (None if args.hf else suggested)
+    dest = Path(route.speculative.draft_path).expanduser()
+    try:
+        s = checkpoints.prepare_draft(route.id, dest, resolve_model_path(route), hf=args.hf, mlx=mlx, bits=args.bits)
+    except checkpoints.CheckpointError as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return 1
+    print(f"{route.id}: draft ready, same tokenizer files as the decode side\n{s.line()}")
     return 0
 
 

@@ -148,6 +148,8 @@ def decode_budget(s: Settings, node: NodeConfig, routes: list[ModelRoute], base:
         local += n * peak / GIB
         notes.append(f"{r.id} local prefill: {n} x {r.max_model_len} tokens in chunks of {PREFILL_STEP} (geometry: "
                      f"{where})")
+    for r in routes:
+        items += draft_items(r, base, notes)
     proc = PROCESS_GIB + PROCESS_PER_MODEL_GIB * len(routes)
     prefix = "prefix cache" if len(routes) == 1 else f"prefix caches ({len(routes)} models)"
     items += [(prefix, len(routes) * s.decode.prefix_cache_bytes / GIB),
@@ -193,6 +195,28 @@ def answer_items(s: Settings, node: NodeConfig, routes: list[ModelRoute], base: 
         notes.append(f"{r.id} generated KV: {n} answers x {r.answer_tokens} tokens ({g:.2f} GiB); batch join: "
                      f"{caps[r.id]['at_once']} x {length} tokens copied ({j:.2f} GiB)")
     return gen, join, notes
+
+
+def draft_items(route: ModelRoute, base: Path, notes: list[str]) -> list[tuple[str, float]]:
+    """A speculative draft model's weights and its own cache of the longest prompt (it prefills every prompt itself,
+    docs/speculative.md), for a model whose speculative.method is "draft"; measured from its folder."""
+    sp = route.speculative
+    if sp.method != "draft" or not sp.draft_path:
+        return []
+    folder = Path(sp.draft_path).expanduser()
+    folder = folder if folder.is_absolute() else base / folder
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        notes.append(f"{route.id} draft: no config.json at {folder}: not counted (disagg models prepare --role draft)")
+        return []
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / GIB
+    notes.append(f"{route.id} draft: measured at {folder}")
+    try:
+        kv = kv_per_token(cfg)[0] * route.max_model_len / GIB
+    except KeyError:
+        return [(f"{route.id} draft weights", size)]
+    return [(f"{route.id} draft weights", size), (f"{route.id} draft KV ({route.max_model_len} tokens)", kv)]
 
 
 def grading_capacity(s: Settings, node: NodeConfig, routes: list[ModelRoute], base: Path,

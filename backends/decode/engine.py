@@ -213,6 +213,11 @@ class MLXModel:
                         spec = self._admit(batch, spec, job, alone=jobs == 1)
                 if spec is not None and not spec.step():
                     spec = None
+                elif spec is not None and spec.wants_batch:  # speculation off: the batch's steps cost less
+                    if spec.settle():
+                        batch.adopt(spec)
+                        self.speculation.stats.ran("speculation_off")
+                    spec = None
                 if batch is not None:
                     batch.step()
                     self.batch_size = len(batch.jobs) + (spec is not None)
@@ -236,8 +241,9 @@ class MLXModel:
 
         stats = self.speculation.stats
         if spec is not None:
-            batch.adopt(spec)
-            stats.ran("joined_batch")
+            if spec.settle():  # its pending token read and emitted first
+                batch.adopt(spec)
+                stats.ran("joined_batch")
             spec = None
         if not self.speculation.enabled:
             batch.add(job)

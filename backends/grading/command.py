@@ -75,7 +75,8 @@ def _models(settings: Settings, args) -> list[str]:
 
 
 def predict(settings: Settings, base: Path, args) -> dict:
-    """Both makespans of the class for the config's site at the published rates."""
+    """Both makespans of the class for the config's site at the published rates, and the split's with speculative
+    decoding as modelled (backends/decode/speculative/gain.py, rates.py SPEC_ALPHA and SPEC_MATCH)."""
     site = grading_rates.published_site(settings, base)
     if args.batch_cost is not None:
         site.batch_cost = args.batch_cost
@@ -87,6 +88,10 @@ def predict(settings: Settings, base: Path, args) -> dict:
         out[mode] = gp.summary(outcomes)
         out[mode]["latency"] = grading_timeout.predicted(outcomes, getattr(args, "app_timeout", grading.CLIENT_TIMEOUT_S))
     out["ratio"] = round(out["mac-alone"]["makespan_s"] / max(out["split"]["makespan_s"], 1e-9), 2)
+    spec = grading_rates.published_site(settings, base, speculative=True)  # docs/speculative.md: the modelled gain
+    spec.batch_cost = site.batch_cost
+    out["split+speculative"] = gp.summary(gp.simulate(spec, _calls_for_sim(calls), "split"))
+    out["speculative_gain"] = round(out["split"]["makespan_s"] / max(out["split+speculative"]["makespan_s"], 1e-9), 2)
     return out
 
 
@@ -100,6 +105,11 @@ def _print_prediction(p: dict, n: int, concurrency: str) -> None:
     print(f"  Mac-alone / split: {p['ratio']:.2f}x")
     for mode in ("split", "mac-alone"):
         print(grading_timeout.line(p["concurrency"], p[mode]["latency"], f" {mode:>9}"))
+    s = p["split+speculative"]
+    terms = ", ".join(f"{k} {v:.0f}" for k, v in s["terms_s"].items())
+    print(f"  split with speculative decoding (prompt lookup as modelled in docs/speculative.md): makespan "
+          f"{s['makespan_s']:.0f} s ({s['makespan_s'] / 60:.1f} min); request-seconds: {terms}; "
+          f"split / that: {p['speculative_gain']:.2f}x")
 
 
 def _gateway_url(settings: Settings) -> str:

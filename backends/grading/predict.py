@@ -24,6 +24,9 @@ class ModelRates:
     kv_wire_bytes: float = 0.0                      # per prompt token on the wire
     kv_hold_bytes: float = 0.0                      # per prompt token reserved on the Mac (model dtype)
     ingest_tokens_per_s: float = 20000.0            # KV in -> first token on the Mac
+    # speculative decoding's decode speedup at a context length, while the generation is its model's only one on
+    # the Mac (a batch of two or more decodes plainly: docs/speculative.md); 1: off
+    spec_speedup: tuple[tuple[int, float], ...] = ((0, 1.0),)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def prefill_seconds(points: tuple[tuple[int, float], ...], tokens: int, step: in
 class _Mac:
     def __init__(self, name: str, batch_cost: float) -> None:
         self.name, self.batch_cost = name, batch_cost
-        self.gens: list[list] = []  # [outcome, model, tokens left, decode rate]
+        self.gens: list[list] = []  # [outcome, model, tokens left, decode rate, KV held, speculative speedup]
         self.held = 0.0             # KV bytes reserved
         self.local_until = 0.0      # the end of the local prefill running (decode paused until then)
         self.count = 0              # generations placed here, decoding or about to
@@ -105,7 +108,9 @@ class _Mac:
         by_model: dict[str, list[float]] = {}
         for g in self.gens:
             by_model.setdefault(g[1], []).append(g[3])
-        return sum(len(r) / sum(r) * (1 + self.batch_cost * (len(r) - 1)) for r in by_model.values())
+        alone = {g[1]: g[5] for g in self.gens if len(by_model[g[1]]) == 1}  # speculates: the batch's only one
+        return sum(len(r) / sum(r) * (1 + self.batch_cost * (len(r) - 1)) / alone.get(m, 1.0)
+                   for m, r in by_model.items())
 
 
 def simulate(site: Site, calls: list[Call], mode: str = "split") -> list[Outcome]:
@@ -223,7 +228,8 @@ def simulate(site: Site, calls: list[Call], mode: str = "split") -> list[Outcome
             o = out[c.index]
             o.decode_start = now
             rate = interp(site.rates[c.model].decode, c.prompt_tokens)
-            mac.gens.append([o, c.model, float(c.max_tokens), rate, need])
+            spec = interp(site.rates[c.model].spec_speedup, c.prompt_tokens)
+            mac.gens.append([o, c.model, float(c.max_tokens), rate, need, spec])
     return [out[c.index] for c in calls]
 
 

@@ -10,6 +10,7 @@ from kv_bridge.config.settings import Settings
 from kv_bridge.dtypes import itemsize
 
 from backends.decode.budget import geometry, kv_per_token
+from backends.decode.speculative.gain import SHAPES, decode_speedup
 from backends.grading.predict import ModelRates, Route, Site
 
 # docs/deploy.md section 9. Spark prefill: llama.cpp's DGX Spark benchmark (ggml-org/llama.cpp discussion 16578,
@@ -25,6 +26,18 @@ LINK_10GBE = 1.1e9  # B/s of payload on 10GbE (docs/deploy.md section 9)
 # One more generation in a Mac's batch costs this share of a single step: decode is memory-bound (the weights are read
 # once per step for the whole batch). An assumption, not a published figure: measure it on the site.
 MAC_BATCH_COST = 0.1
+# Speculative decoding (prompt lookup, docs/speculative.md): a draft on 47% of steps, each drafted token kept with
+# probability 0.75 until the first refusal: what bench/bench_spec.py measured on its grading-like prompts (SmolLM2-135M
+# quoting a student's code: 23 verify steps of 49, 2.04 kept per verify step at k = 4). An assumption for 30B+ models
+# quoting a 6-25k-token notebook; the verify forward's cost comes from what it reads (backends/decode/speculative/gain.py).
+SPEC_ALPHA, SPEC_MATCH = 0.75, 0.47
+SPEC_DEPTHS = (0, 6000, 12000, 18000, 25000, 32768)
+
+
+def speculative_speedup(family: str) -> tuple[tuple[int, float], ...]:
+    """A model's decode speedup by context depth, for a generation alone in its model's batch (1 where none pays)."""
+    shape = SHAPES[family]
+    return tuple((d, decode_speedup(shape, d, SPEC_ALPHA, SPEC_MATCH)[1]) for d in SPEC_DEPTHS)
 
 
 def _geometry(settings: Settings, base: Path) -> dict[str, dict]:
@@ -50,8 +63,10 @@ def routes(settings: Settings) -> dict[str, Route]:
             for r in settings.models}
 
 
-def published_site(settings: Settings, base: Path) -> Site:
-    """The config's topology at the published rates; a model of another family is a ValueError naming the known."""
+def published_site(settings: Settings, base: Path, speculative: bool = False) -> Site:
+    """The config's topology at the published rates; a model of another family is a ValueError naming the known.
+    `speculative`: a generation alone in its model's batch sped up by prompt lookup as modelled
+    (speculative_speedup)."""
     geo = _geometry(settings, base)
     rates = {}
     for r in settings.models:
@@ -62,7 +77,8 @@ def published_site(settings: Settings, base: Path) -> Site:
                              f"{sorted(PUBLISHED_RATES)}: predict a site of other models from a running gateway")
         wire, held = _kv_bytes(geo.get(r.id), settings.kv.wire_dtype)
         local = tuple((d, v / MAC_ALONE_SLOWER) for d, v in pub["prefill"])
-        rates[r.id] = ModelRates(pub["prefill"], local, pub["decode"], wire, held)
+        spec = speculative_speedup(family) if speculative else ((0, 1.0),)
+        rates[r.id] = ModelRates(pub["prefill"], local, pub["decode"], wire, held, spec_speedup=spec)
     return Site(routes(settings), rates, LINK_10GBE, settings.kv.max_inflight_bytes, settings.decode.max_batch_size,
                 MAC_BATCH_COST)
 

@@ -9,6 +9,16 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 
+# A draft for each site model with the same tokenizer (`disagg models prepare --role draft` checks the tokenizer
+# files): Qwen3's small dense model shares Qwen3-Coder's byte-level BPE (151,643 tokens + Qwen3's added ones);
+# gpt-oss-20b shares gpt-oss-120b's o200k_harmony. docs/speculative.md weighs what each costs on a Mac.
+SITE_DRAFTS = {
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": "Qwen/Qwen3-0.6B",
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8": "Qwen/Qwen3-0.6B",
+    "openai/gpt-oss-120b": "openai/gpt-oss-20b",
+}
+
+
 class SpeculativeConfig(BaseModel):
     """Off by default. A decode node drafts only while the model's batch holds one generation (the lab's case: one
     request per model at a time); with more it decodes the batch as before."""
@@ -24,14 +34,18 @@ class SpeculativeConfig(BaseModel):
                            "measures (false: always num_draft)")
     verify_cost: float = Field(
         default=0.1, ge=0.0, description="what each drafted token adds to a verify forward, as a fraction of a plain "
-        "decode step (Mac, dense model: ~0.05-0.1; an MoE model more; mlx-cpu here ~1.0). Drafting pays while "
+        "decode step (Mac, dense model: ~0.1-0.2; an MoE model more, docs/speculative.md; mlx-cpu here ~1.0). Drafting pays while "
         "expected tokens per step / (1 + k * verify_cost) > 1 + min_gain")
     draft_cost: float = Field(default=0.0, ge=0.0, description="draft: one draft-model token as a fraction of a "
                               "target decode step (added per drafted token to the cost)")
     min_gain: float = Field(default=0.05, ge=0.0, description="expected speedup below 1 + this: drafting turns off")
-    ewma_alpha: float = Field(default=0.2, gt=0.0, le=1.0, description="weight of the newest verify step in the "
-                              "acceptance average")
-    probe_every: int = Field(default=32, ge=1, description="while off: plain steps before one probing verify step")
+    ewma_alpha: float = Field(default=0.03, gt=0.0, le=1.0, description="discount per verify step of the "
+                              "accepted and rejected counts the acceptance alpha is estimated from (1/this: about "
+                              "how many recent verify steps it weighs)")
+    hysteresis: float = Field(default=0.04, ge=0.0, description="drafting turns off only below 1 + min_gain - this "
+                              "(on above 1 + min_gain), and k changes only for a quarter of this more speedup")
+    probe_every: int = Field(default=32, ge=1, description="while off: plain steps before one probing verify step "
+                             "(it drafts the smallest k that could pay)")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

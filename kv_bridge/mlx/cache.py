@@ -5,7 +5,8 @@ float16, or bfloat16 as uint16 bits: viewed as mx.bfloat16, never widened) ->
   full-attention layer:   KVCache holding (1, H, T, D), offset T
   sliding layer (window W, keep k): RotatingKVCache(max_size=W, keep=k) holding the first k and the last
                           W - k tokens in temporal order (all T if T <= W), offset T, _idx = tokens held.
-KV for positions [P, T) after a reused prefix cache of P tokens: appended with `append_kv`.
+KV for positions [P, T) after a reused prefix cache of P tokens: appended with `append_kv`. A speculative decode
+rolls sliding layers back past their window with `RollbackRotatingKVCache` (`rollback_caches`).
 The cache class and its max_size/keep come from mlx-lm itself (model.make_cache / make_prompt_cache) and are
 cross-checked against the model family (kv_bridge/families/), which says how vLLM ran each layer.
 """
@@ -54,6 +55,49 @@ def rotating_cache(k: mx.array, v: mx.array, offset: int, max_size: int, keep: i
         raise ValueError(f"a RotatingKVCache(max_size={max_size}) after {offset} tokens holds "
                          f"{min(offset, max_size)}, got {k.shape[2]}")
     return RotatingKVCache.from_state((k, v, offset, keep, max_size, k.shape[2]))
+
+
+class RollbackRotatingKVCache(RotatingKVCache):
+    """A sliding-window layer's cache that a speculative verify step can roll back past the window.
+
+    mlx-lm's RotatingKVCache trims only while offset < max_size: past it, moving _idx back would leave refused
+    tokens in the ring. But a forward over S > 1 tokens (its concat path) keeps max_size - 1 + S positions in
+    temporal order, so the S - 1 = k drafted positions are spare beyond the window until the step's outcome is
+    known. Trimming n of them here slices them off that ordered buffer (it still holds >= max_size tokens, the
+    last max_size of them the window), so the next one-token step overwrites the oldest as mlx-lm's own ring does.
+    Attention stays limited to the window: the masks are mlx-lm's own (window_size = the model's sliding window).
+    """
+
+    @classmethod
+    def of(cls, c: RotatingKVCache) -> "RollbackRotatingKVCache":
+        """The same cache, state and all, able to roll back (public state, as mlx-lm saves and loads caches)."""
+        return cls.from_state(c.state)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def rollback_room(self) -> int:
+        """How many of the newest tokens can be trimmed now and leave the window whole."""
+        if super().is_trimmable() or self.keys is None:
+            return self.offset
+        return max(0, self._idx - self.max_size if self._idx == self.keys.shape[2] else 0)
+
+    def trim(self, n: int) -> int:
+        if super().is_trimmable() or self.keys is None:  # never past the window: mlx-lm's own trim
+            return super().trim(n)
+        n = min(n, self.rollback_room())
+        if n > 0:
+            end = self._idx - n  # (1, H, held, D) in temporal order (the concat path's layout): drop the newest n
+            self.keys, self.values = self.keys[..., :end, :], self.values[..., :end, :]
+            self.offset -= n
+            self._idx = end
+        return n
+
+
+def rollback_caches(cache: list) -> list:
+    """`cache` with each sliding-window layer able to roll a verify step back (RollbackRotatingKVCache); other
+    layers as they are."""
+    return [RollbackRotatingKVCache.of(c) if type(c) is RotatingKVCache else c for c in cache]
 
 
 def _mx(a: np.ndarray, dtype: mx.Dtype | None) -> mx.array:

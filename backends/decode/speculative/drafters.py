@@ -40,6 +40,10 @@ class PromptLookup:
                 return seq[j + 1:j + 1 + k]
         return []
 
+    def prefill_step(self) -> bool:
+        """Nothing to prefill (False: the verify step may run)."""
+        return False
+
     def accepted(self, kept: int) -> None:
         """Nothing to rewind: the index only ever holds the real sequence."""
 
@@ -49,18 +53,23 @@ class PromptLookup:
 
 class DraftModel:
     """Greedy drafts from a small model over its own cache. The draft model prefills the whole sequence itself
-    (bridged KV and the prefix cache hold only the target's KV); after a verify step its cache is trimmed back to
-    the tokens the target kept, as mlx-lm's speculative_generate_step rewinds it."""
+    (bridged KV and the prefix cache hold only the target's KV), a chunk per loop step (`prefill_step`) so an
+    arriving request waits at most one chunk; after a verify step its cache is trimmed back to the tokens the
+    target kept, as mlx-lm's speculative_generate_step rewinds it (a refused trim raises: never draft on from a
+    cache holding refused tokens)."""
 
     PREFILL_CHUNK = 512
 
     def __init__(self, model, seq: list[int]) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
+        from kv_bridge.mlx.cache import rollback_caches
+
         self.model, self.seq = model, seq
-        self.cache = make_prompt_cache(model)
+        self.cache = rollback_caches(make_prompt_cache(model))
         self.fed = 0  # seq[:fed] is in the draft cache
         self._pending: list[int] = []  # drafted tokens run through the draft cache, not yet kept or refused
+        self._saved: list = []  # per layer: a sliding layer's state before the drafts (None: trims as it is)
 
     def _feed(self, tokens: list[int]):
         import mlx.core as mx
@@ -70,6 +79,18 @@ class DraftModel:
             logits = self.model(mx.array([tokens[i:i + self.PREFILL_CHUNK]]), cache=self.cache)
         return logits[0, -1]
 
+    def prefill_step(self) -> bool:
+        """One chunk of the sequence's prefix (all but its last token) into the draft cache; False once done."""
+        import mlx.core as mx
+
+        end = min(self.fed + self.PREFILL_CHUNK, len(self.seq) - 1)
+        if end <= self.fed:
+            return False
+        self.model(mx.array([self.seq[self.fed:end]]), cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.fed = end
+        return True
+
     def draft(self, k: int) -> list[int]:
         import mlx.core as mx
 
@@ -77,6 +98,10 @@ class DraftModel:
             return []
         logits = self._feed(self.seq[self.fed:])
         self.fed = len(self.seq)
+        # A sliding layer's ring cannot drop one-token updates past its window: keep its state as it is now (a
+        # slice is a new array; the ring's in-place writes do not reach it) to go back to if the trim cannot.
+        self._saved = [tuple(x[:] if hasattr(x, "shape") else x for x in c.state) if hasattr(c, "rollback_room")
+                       and c.keys is not None else None for c in self.cache]
         out: list[int] = []
         while True:
             t = int(mx.argmax(logits).item())
@@ -89,13 +114,27 @@ class DraftModel:
 
     def accepted(self, kept: int) -> None:
         """The target kept `kept` drafted tokens (already appended to seq): keep as many of those the draft cache
-        ran, trim the rest."""
+        ran and trim the rest; where a sliding layer cannot, go back to the cache before the drafts (the kept ones
+        are fed again with the next draft)."""
+        keep = min(kept, len(self._pending))
+        drop, ran = len(self._pending) - keep, len(self._pending)
+        rings = [c.rollback_room() for c, s in zip(self.cache, self._saved) if s is not None]
+        if drop <= min(rings, default=drop):
+            self._trim(drop)
+            self.fed += keep
+        else:
+            for c, saved in zip(self.cache, self._saved):
+                if saved is not None:
+                    c.state = saved
+                elif c.trim(ran) != ran:
+                    raise RuntimeError("the draft model's cache could not drop its drafted tokens")
+        self._pending, self._saved = [], []
+
+    def _trim(self, n: int) -> None:
         from mlx_lm.models.cache import trim_prompt_cache
 
-        keep = min(kept, len(self._pending))
-        trim_prompt_cache(self.cache, len(self._pending) - keep)
-        self.fed += keep
-        self._pending = []
+        if trim_prompt_cache(self.cache, n) != n:
+            raise RuntimeError("the draft model's cache could not drop the refused drafted tokens")
 
     def close(self) -> None:
         self.cache = None

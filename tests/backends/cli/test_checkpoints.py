@@ -100,3 +100,37 @@ def test_decode_side_against_the_gateways_copy_or_a_fingerprint(tmp_path):
     r = run("models", "prepare", "--config", str(config(tmp_path)), "--model", "m", "--role", "decode",
             "--against", "not-a-fingerprint", cwd=tmp_path)
     assert r.returncode == 1 and "neither a folder with config.json nor a fingerprint" in r.stderr, r.stderr
+
+
+def _draft_config(tmp_path: Path) -> Path:
+    text = config(tmp_path).read_text() + f'\n[models.speculative]\nmethod = "draft"\ndraft_path = "{tmp_path / "draft"}"\n'
+    return write(tmp_path, text, "config.toml")
+
+
+def test_draft_with_the_same_tokenizer_files_is_prepared_and_budgeted(tmp_path):
+    """A draft (a tiny llama: SmolLM2's tokenizer) for a decode side of the same tokenizer: prepared, and the Mac's
+    budget counts its weights and its own cache of a full-length prompt."""
+    from backends.decode.budget import decode_budget
+    from kv_bridge.config.settings import load_config
+
+    tiny_models.build("llama", tmp_path / "served")
+    draft = tiny_models.build("llama", tmp_path / "draft-src", seed=1, layers=2)
+    cfg = _draft_config(tmp_path)
+    r = run("models", "prepare", "--config", str(cfg), "--model", "m", "--role", "draft", "--mlx", str(draft),
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "same tokenizer files" in r.stdout and (tmp_path / "draft" / "config.json").is_file()
+    s = load_config(cfg)
+    items = dict(decode_budget(s, s.node("d"), s.models, cfg.parent).items)
+    assert items["m draft weights"] > 0
+    # 2 layers x 2 KV heads x 64 x K and V x float32, at max_model_len tokens
+    assert items[f"m draft KV ({s.models[0].max_model_len} tokens)"] == pytest.approx(
+        2 * 2 * 64 * 2 * 4 * s.models[0].max_model_len / 2**30)
+
+
+def test_draft_with_another_tokenizer_is_refused(tmp_path):
+    tiny_models.build("llama", tmp_path / "served")
+    other = tiny_models.write_family_tokenizer(tiny_models.build("llama", tmp_path / "other"), "gpt_oss")
+    r = run("models", "prepare", "--config", str(_draft_config(tmp_path)), "--model", "m", "--role", "draft",
+            "--mlx", str(other), cwd=tmp_path)
+    assert r.returncode == 1 and "different tokenizer" in r.stderr and "tokenizer.json model differs" in r.stderr

@@ -116,6 +116,10 @@ def test_the_real_site_predicted_from_published_rates(tmp_path):
     assert split["dominant"] == "decode" and split["terms_s"]["queue"] == 0  # the app's two at once never queue
     # one lane per model, 60 calls each of ~50 s (decode 2000-3500 at ~60-76 tok/s + prefill): about an hour
     assert 40 * 60 < split["makespan_s"] < 80 * 60
+    # speculative decoding as modelled (docs/speculative.md) shortens only the decode term
+    spec = p["split+speculative"]
+    assert spec["terms_s"]["decode"] < split["terms_s"]["decode"] and p["speculative_gain"] > 1.0
+    assert spec["terms_s"]["prefill"] == split["terms_s"]["prefill"]
 
 
 def test_segments_lay_a_request_out_on_the_client_clock():

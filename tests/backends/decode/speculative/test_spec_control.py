@@ -4,13 +4,16 @@ and the node's /metrics for it."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from backends.decode.speculative.drafters import PromptLookup
 from backends.node_metrics import DecodeMetrics
-from backends.decode.speculative.control import SpecController, best_draft, expected_tokens, speedup
+from backends.decode.speculative.control import (SpecController, best_draft, best_k, expected_tokens, outcome,
+                                                  probe_len, speedup)
 from backends.decode.speculative.step import accept_drafts
 from tests.support.fakes import sample_value
 from kv_bridge.config.models import ModelRoute
@@ -86,23 +89,96 @@ def test_best_draft_follows_acceptance_and_cost():
     assert best_draft(0.9, mac.model_copy(update={"verify_cost": 1.0})) == 0
 
 
-def test_controller_turns_drafting_off_and_probes_back_on():
-    ctl = SpecController(SpeculativeConfig(method="prompt_lookup", num_draft=4, probe_every=3, ewma_alpha=0.5))
-    start = ctl.draft_len()
-    assert start > 0
+def _simulate(ctl: SpecController, alpha: float, steps: int, rng: random.Random) -> tuple[float, float, float]:
+    """Drive the controller with i.i.d. per-token acceptance alpha: (tokens, cost in plain steps, on-steps)."""
+    tokens = cost = on = 0.0
+    for _ in range(steps):
+        k = ctl.draft_len()
+        a = 0
+        while a < k and rng.random() < alpha:
+            a += 1
+        ctl.record(k, a)
+        tokens, cost, on = tokens + a + 1, cost + 1 + k * ctl.cfg.verify_cost, on + (k > 0)
+    return tokens, cost, on
+
+
+COSTS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95)
+ALPHAS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+@pytest.mark.parametrize("cost", COSTS)
+def test_controller_settles_near_the_best_k(cost):
+    """Over a grid of true alpha (i.i.d. per token) and verify costs, after 1,000 steps to settle, the next 2,000
+    decode within 10% of the best fixed k's expected speedup (k = 0 included), and drafting is on wherever some
+    k >= 1 pays clear of the hysteresis band (its expected speedup above 1 + min_gain + 2 * hysteresis)."""
+    for alpha in ALPHAS:
+        cfg = SpeculativeConfig(method="prompt_lookup", num_draft=6, verify_cost=cost)
+        best = max(1.0, best_k(alpha, cfg)[1])
+        for seed in range(3):
+            ctl, rng = SpecController(cfg), random.Random(seed)
+            _simulate(ctl, alpha, 1000, rng)
+            tokens, spent, on = _simulate(ctl, alpha, 2000, rng)
+            assert tokens / spent >= 0.9 * best, (alpha, cost, seed, tokens / spent, best)
+            if best > 1 + cfg.min_gain + 2 * cfg.hysteresis:
+                assert on / 2000 >= 0.95, (alpha, cost, seed, on)
+
+
+def test_alpha_is_per_token_acceptance_not_accepted_over_drafted():
+    """A true alpha of 0.7 at k = 4 keeps 0.7 + 0.49 + 0.34 + 0.24 = 1.77 of 4 drafted tokens (0.44 of them): the
+    estimate is 0.7, and at the documented Qwen3-Coder cost (0.6) k = 1 pays from alpha ~0.66, so it is on."""
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=4, adaptive=False, verify_cost=0.6)
+    ctl, rng = SpecController(cfg), random.Random(1)
+    _simulate(ctl, 0.7, 3000, rng)
+    assert ctl.rate == pytest.approx(0.7, abs=0.06)
+    assert ctl.stats.accepted / ctl.stats.drafted == pytest.approx(0.44, abs=0.05)
+    adaptive = SpecController(cfg.model_copy(update={"adaptive": True}))
+    _simulate(adaptive, 0.8, 1000, rng)
+    assert adaptive.draft_len() >= 1  # the old controller stayed at 0 fed alpha = 0.8
+
+
+def test_outcome_counts_a_rejection_only_where_one_was_seen():
+    assert outcome([5, 6, 7], [5, 6, 9]) == (2, 1)
+    assert outcome([5, 6, 7], [5, 6, 7, 8]) == (3, 0)
+    assert outcome([5, 6, 7], [5]) == (1, 0)  # the step finished on a kept token (EOS, max_tokens): censored
+    assert outcome([5], [4]) == (0, 1)
+
+
+def test_probes_draft_the_smallest_k_that_pays_and_turn_it_back_on():
+    """Off after nothing is kept; each probe drafts the smallest k that pays at all (1 at a low cost, more where one
+    drafted token cannot cover its cost); a text that starts repeating its prompt turns it back on."""
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=4, probe_every=3, verify_cost=0.6)
+    assert probe_len(cfg) == 1
+    assert probe_len(cfg.model_copy(update={"verify_cost": 0.93})) == 3  # 2/1.93 < 1.05, 4/2.86 > 1.05
+    assert probe_len(cfg.model_copy(update={"verify_cost": 1.0})) == 0  # nothing ever pays: no probes
+    ctl = SpecController(cfg)
+    assert ctl.draft_len() == 1  # alpha 0.5 does not pay at this cost: it starts by probing
     offs = 0
-    while ctl.k > 0:  # nothing kept: down, then off
-        ctl.record(ctl.draft_len(), 0)
+    while offs < 40:
+        k = ctl.draft_len()
+        ctl.record(k, 0)
         offs += 1
-        assert offs < 10
-    assert ctl.draft_len() == 0
-    for _ in range(3):  # plain steps while off
-        ctl.record(0, 0)
-    assert ctl.draft_len() == 4  # a probe
-    ctl.record(4, 4)
-    assert ctl.k > 0  # the text repeats its prompt again: back on
+    assert ctl.k == 0
+    probes = []
+    for _ in range(200):
+        k = ctl.draft_len()
+        probes.append(k)
+        ctl.record(k, k)  # everything drafted is kept
+        if ctl.k:
+            break
+    assert ctl.k > 0 and set(probes) <= {0, 1} and 1 in probes
     s = ctl.stats
-    assert (s.verify_steps, s.plain_steps, s.accepted) == (offs + 1, 3, 4)
+    assert s.verify_steps + s.plain_steps == offs + len(probes)
+
+
+def test_hysteresis_keeps_it_on_through_a_short_bad_run():
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=4, verify_cost=0.2)
+    ctl, rng = SpecController(cfg), random.Random(3)
+    _simulate(ctl, 0.8, 300, rng)
+    k = ctl.k
+    assert k > 0
+    for _ in range(3):  # three verify steps that keep nothing
+        ctl.record(ctl.draft_len(), 0)
+    assert ctl.k > 0
 
 
 def test_fixed_draft_length_when_not_adaptive():
@@ -147,5 +223,21 @@ def test_metrics_show_drafted_accepted_and_the_controller():
     assert sample_value(text, "disagg_decode_spec_steps_total", model="a", kind="plain") == 1
     assert sample_value(text, "disagg_decode_spec_generations_total", model="a", path="speculative") == 1
     assert sample_value(text, "disagg_decode_spec_num_draft", model="a") == 4
-    assert sample_value(text, "disagg_decode_spec_acceptance", model="a") == pytest.approx(0.5 * 0.8 + 0.75 * 0.2)
+    # alpha: (prior 1 + 3 accepted) / (that + prior 1 + 1 rejection), the prior discounted by one verify step
+    d = 1 - on.cfg.ewma_alpha
+    assert sample_value(text, "disagg_decode_spec_acceptance", model="a") == pytest.approx((d + 3) / (2 * d + 4))
     assert sample_value(text, "disagg_decode_spec_drafted_tokens_total", model="b") is None  # off: not shown
+
+
+def test_site_verify_cost_from_what_a_verify_forward_reads():
+    """The KV read is shared by a verify forward's tokens: the longer the context, the cheaper each drafted token;
+    experts are not (each token routes to its own), so gpt-oss (4 of 128, bigger experts) pays more than Qwen3-Coder."""
+    from backends.decode.speculative.gain import SHAPES, decode_speedup, forward_cost, verify_cost
+
+    qwen, oss = SHAPES["qwen3_moe"], SHAPES["gpt_oss"]
+    assert verify_cost(qwen, 25000, 4) < verify_cost(qwen, 6000, 4) < verify_cost(qwen, 0, 4) < 1.0
+    assert verify_cost(oss, 25000, 4) > verify_cost(qwen, 25000, 4)
+    assert forward_cost(qwen, 0, 1) == 1.0
+    assert forward_cost(qwen, 0, 5, repeat=1.0) > forward_cost(qwen, 0, 2)  # independent routing: more experts
+    assert decode_speedup(qwen, 25000, 0.0, 0.5) == (0, 1.0)  # nothing kept: never pays
+    assert decode_speedup(qwen, 25000, 0.9, 0.8)[1] > decode_speedup(oss, 25000, 0.9, 0.8)[1] > 1.0
