@@ -246,7 +246,7 @@ async def test_disagg_status_shows_the_gateways_queue(one_slot):
     port = int(c.url.rsplit(":", 1)[1])
     s = c.settings.model_copy(update={"gateway": c.settings.gateway.model_copy(update={"port": port})})
     async with aiohttp.ClientSession() as http:
-        q = await status._queue(http, s)
+        q = await status._queue(http, s, {}, {})
     assert q["models"][MODEL_ID]["queued"] == 1 and q["models"][MODEL_ID]["max_queued"] == 512
     text = status.render({"nodes": [], "links": [], "queue": q})
     row = next(line for line in text.splitlines() if line.split() and line.split()[0] == MODEL_ID)
@@ -255,7 +255,7 @@ async def test_disagg_status_shows_the_gateways_queue(one_slot):
     await held
     assert (await waiting)[0] == 200
     async with aiohttp.ClientSession() as http:
-        q = await status._queue(http, s)
+        q = await status._queue(http, s, {}, {})
     assert q["models"] == {} and q["waits"][MODEL_ID]["count"] == 1
     assert "gateway queue (max wait 300 s)" in status.render({"nodes": [], "links": [], "queue": q})
 
