@@ -92,8 +92,9 @@ def drop_page_cache(path: Path = DROP_CACHES) -> None:
     path.write_text("1\n")
 
 
-def read_cuda() -> Reading | None:
-    """The GPU's (free, total) as vLLM's start-up check reads them, and the host's page cache; None without CUDA."""
+def cuda_memory() -> tuple[float, float] | None:
+    """The GPU's (free, total) GiB as vLLM's start-up check reads them (torch.cuda.mem_get_info); None without a
+    usable CUDA device or torch."""
     try:
         import torch
     except ImportError:
@@ -101,7 +102,13 @@ def read_cuda() -> Reading | None:
     if not torch.cuda.is_available():
         return None
     free, total = torch.cuda.mem_get_info()
-    return Reading(free / GIB, total / GIB, page_cache_gib())
+    return free / GIB, total / GIB
+
+
+def read_cuda() -> Reading | None:
+    """The GPU's (free, total) and the host's page cache; None without CUDA."""
+    mem = cuda_memory()
+    return None if mem is None else Reading(*mem, page_cache_gib())
 
 
 def page_cache_gib(meminfo: Path = Path("/proc/meminfo")) -> float:

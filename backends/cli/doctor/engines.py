@@ -62,14 +62,14 @@ def _gpu(dist: str, cpu: bool, why: str) -> Check:
 
 def _cuda() -> tuple[str, str, tuple[float, float]] | None:
     """(GPU name, CUDA version, (free, total) GiB) through torch, or None without a usable CUDA device."""
-    try:
-        import torch
-    except ImportError:
+    from backends.prefill.memory import cuda_memory
+
+    mem = cuda_memory()
+    if mem is None:
         return None
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return torch.cuda.get_device_name(0), torch.version.cuda, (free / host.GIB, total / host.GIB)
+    import torch
+
+    return torch.cuda.get_device_name(0), torch.version.cuda, mem
 
 
 def _connector(ctx: Ctx) -> Check:
