@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from backends.host_cpu import cpu_flags, read_cpuinfo
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
 
@@ -122,15 +123,7 @@ _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 def machine() -> str:
     """The architecture and, where /proc/cpuinfo says, the CPU features above: `x86_64 avx2,avx512f`."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:  # macOS: the architecture says it (arm64)
-        pass
+    flags = cpu_flags(read_cpuinfo() or "")  # none on macOS: the architecture says it (arm64)
     return " ".join([platform.machine(), ",".join(f for f in _CPU_FLAGS if f in flags)]).strip()
 
 

@@ -25,17 +25,21 @@ def cpu_flags(text: str) -> set[str]:
     return out
 
 
+def read_cpuinfo() -> str | None:
+    """/proc/cpuinfo's text, or None where there is none (macOS)."""
+    try:
+        return CPUINFO.read_text()
+    except OSError:
+        return None
+
+
 def native_bf16(cpuinfo: str | None = None) -> bool:
     """True where this CPU runs bf16 natively (or /proc/cpuinfo is absent: no claim, e.g. macOS)."""
     forced = os.environ.get("DISAGG_CPU_BF16")
     if forced in ("0", "1"):
         return forced == "1"
-    if cpuinfo is None:
-        try:
-            cpuinfo = CPUINFO.read_text()
-        except OSError:
-            return True
-    return bool(cpu_flags(cpuinfo) & NATIVE_FLAGS)
+    cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
+    return True if cpuinfo is None else bool(cpu_flags(cpuinfo) & NATIVE_FLAGS)
 
 
 def cpu_prefill_dtype(dtype: str) -> tuple[str, str | None]:
