@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from backends import host_blas
 from backends.cli import procenv
 from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.settings import Settings, load_config
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         procenv.ensure()  # a container's user: no passwd entry, no HOME, maybe no writable /tmp
     except OSError as e:  # only what writes temporary files needs one; models prepare retries beside its folder
         print(f"disagg: warning: {e}", file=sys.stderr)
+    if args.func in (_cmd_decode, _cmd_models_prepare, _cmd_doctor):  # the commands that run MLX
+        logging.getLogger("backends.cli").info("MLX's matmuls: %s", host_blas.prefer_openblas())
     try:
         settings = load_config(args.config)
         return args.func(settings, args) or 0

@@ -57,6 +57,13 @@ def llama(tmp_path_factory):
     return load(str(tiny_models.build("llama", tmp_path_factory.mktemp("llama") / "llama")))
 
 
+def close(got, ref):
+    """Equal up to rounding: an optimized BLAS (OpenBLAS under mlx-cpu, backends/host_blas.py; Metal on a Mac) rounds a
+    token's row by how many rows its prefill ran with, so 10 tokens prefilled alone and the first 10 of 16 differ in
+    the last bits. A wrong trim or a misplaced append would hand out another position's KV: far outside this."""
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny(llama):
     model, tok = llama
@@ -96,8 +103,8 @@ def test_partial_hit_is_trimmed_to_the_shared_prefix(tiny):
     assert p == 10 and all(c.offset == 10 for c in cache)
     ref = kv(prefill(model, ids[:10]), 10)
     got = kv(cache, 10)
-    np.testing.assert_array_equal(got[0], ref[0])
-    np.testing.assert_array_equal(got[1], ref[1])
+    close(got[0], ref[0])
+    close(got[1], ref[1])
     assert same(greedy(model, cache, other[10:], 3), greedy(model, make_prompt_cache(model), other, 3))
 
 
@@ -162,7 +169,7 @@ def test_append_kv_after_a_prefix_equals_a_full_prefill(tiny):
     full_k, full_v = cache_kv(prefill(model, ids[:20]), 20)
     append_kv(cache, full_k[:, :, p:], full_v[:, :, p:])
     assert p == 9 and all(c.offset == 20 for c in cache)
-    np.testing.assert_array_equal(kv(cache, 20)[0], full_k)
+    close(kv(cache, 20)[0], full_k)
     assert same(greedy(model, cache, ids[20:21], 3), greedy(model, make_prompt_cache(model), ids[:21], 3))
 
 
