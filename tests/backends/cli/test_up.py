@@ -247,8 +247,11 @@ def _gateway_sees_up(url: str, node: str) -> bool:
 
 def _role_pid(up_pid: int, role: str) -> int:
     for p in psutil.Process(up_pid).children():
-        if p.cmdline()[3:4] == [role]:  # python -m backends.cli.main <role> ...
-            return p.pid
+        try:
+            if p.cmdline()[3:4] == [role]:  # python -m backends.cli.main <role> ...
+                return p.pid
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # a role just killed, not yet reaped by the supervisor
+            continue
     raise AssertionError(f"no {role} child of disagg up")
 
 
