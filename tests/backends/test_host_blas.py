@@ -52,3 +52,17 @@ def test_too_late_once_mlx_is_imported_and_it_says_so():
                           "print(prefer_openblas())"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, host_blas.ENV: ""})
     assert run.returncode == 0 and "mlx.core was imported before" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_kernels_follow_the_cpus_flags_not_openblass_model_table():
+    """OpenBLAS 0.3.15 ran SSE3 kernels on this Xeon (a model newer than its table); the flags say what it can run."""
+    skx = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    assert host_blas.kernels(skx) == "SkylakeX"
+    assert host_blas.kernels({"avx", "avx2", "fma"}) == "Haswell"  # the AVX2 CI machine
+    assert host_blas.kernels({"sse4_2", "avx"}) is None  # older: OpenBLAS's own detection
+    assert host_blas.kernels({"fp", "asimd", "bf16"}) is None  # arm64: the same
+
+
+def test_a_coretype_already_set_is_left_alone():
+    said, bound = sgemm_binding({host_blas.ENV: "", host_blas.CORETYPE: "Haswell"})
+    assert "libopenblas" in bound and "kernels" not in said, said
