@@ -7,7 +7,8 @@ Run from the repository root, under the heavy lock:
     flock /tmp/disagg-heavy.lock .venv/bin/python -m bench.bench_site [--cells 5,20,40] [--num-predict 32]
         [--local-max-cells 5] [--plot bench_site.png] [--json F] [--running]
 It starts the site (`python -m backends.site.launch`) and stops it after, unless --running (a `make site` already up).
-The local path runs only up to --local-max-cells: mlx-cpu prefills ~16 tokens/s here, a 2k-token prompt ~2 min.
+The local path runs only up to --local-max-cells (mlx-cpu was the slow part: ~16 tokens/s of prefill before it ran on
+OpenBLAS, backends/host_blas.py; ~300 since).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """KV fidelity, layer by layer: KV that vLLM computes and our connector streams equals the KV MLX computes itself.
 
 Tolerance: |bridged - mlx| <= 1e-3 + 1e-3 * |mlx| per element (both float32; observed max error ~4e-5).
-MLX's own prefill is the cost here (~16 tokens/s on mlx-cpu): attention is causal, so the KV of a prompt's first n
+MLX's own prefill is the cost here: attention is causal, so the KV of a prompt's first n
 tokens is the first n positions of the whole prompt's KV, and one MLX prefill of TEXT's first tokens is the
 reference for every prefix of it.
 """

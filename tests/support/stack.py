@@ -58,7 +58,7 @@ def write_config(folder: Path, *, kv_timeout_s: float = 30.0, min_disagg_tokens:
     `disagg status --config` run by a test authenticates as the gateway does (KV frames MACed: the default).
     prefill_port: prefill-0 is another stack's, already running there (this stack starts no prefill node).
     fidelity: the KV canary on (the product's default: only a verified pair takes the disaggregated path), with a
-    shorter canary than the default 256 tokens (mlx-cpu prefills ~16 tokens/s): 136 still crosses vllm-cpu's
+    shorter canary than the default 256 tokens: 136 still crosses vllm-cpu's
     128-token block; off for stacks whose subject is elsewhere and whose decode node could not take it."""
     ports = {"gateway": free_port(), "prefill": prefill_port or free_port()}
     decoders = ""

@@ -5,8 +5,8 @@ local prefill on failure, not on a timeout; restarted, it takes the split again.
 
 One size, 32: a 16-burst ran the same assertions on a subset of its conditions (admitted and queued prefills, a short
 request mid-burst). What makes the 32 the case to test is its depth, not its prompts' length: the last request waits
-behind 31 prompts, which at the learned prefill rate take longer than its own local prefill at mlx-cpu's ~16 tokens/s
-once the queue is deeper than that rate / 16 (~23 at the ~370 tokens/s a burst runs here, docs/routing.md), whatever
+behind 31 prompts, which at the learned prefill rate take longer than its own local prefill at the gateway's prior for it
+(16 tokens/s: the decode nodes' local prefills are not learned before it) once the queue is deeper than that rate / 16 (~23 at the ~370 tokens/s a burst runs here, docs/routing.md), whatever
 the length. Then the cost model's stall term, not the queue term alone, keeps the late ones disaggregated (on a fresh
 stack, at the 1000 tokens/s prior, the queue term alone does). ~1.5k-token prompts (48k prompt tokens; the 115-sentence
 prompts before were ~2.45k, 78k in all) keep that depth, and the short request's margin (its local prefill and its
@@ -105,7 +105,7 @@ async def test_prefill_node_killed_mid_burst_falls_back_on_failure_then_restarte
     start) runs while the decode node prefills the fallen-back requests."""
     url = stack.url("gateway")
     async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
-        # ~150 tokens each: after the kill the decode node prefills them itself, and mlx-cpu does ~16 tokens/s here.
+        # ~150 tokens each: after the kill the decode node prefills them itself.
         tasks = [asyncio.create_task(chat(http, url, prompt(9000 + i, sentences=6))) for i in range(3)]
         while True:
             gate = (await gateway_health(http, url)).get("admission", {}).get("prefill-0", {})

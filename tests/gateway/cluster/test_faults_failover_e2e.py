@@ -25,7 +25,7 @@ from tests.support.stack import MODEL_ID, Stack, in_thread
 pytestmark = pytest.mark.e2e
 FALLBACK_REASONS = ("kv_aborted", "kv_error", "kv_timeout")
 # ~65 tokens (~100 with the chat template), 4.5 MB of float32 KV: long enough to cut at 300 KB or throttle past
-# 500 KB mid-transfer, and short: each fallback prefills it on MLX (~16 tokens/s here), and so does its reference.
+# 500 KB mid-transfer, and short: each fallback prefills it on MLX, and so does its reference.
 LONG_PROMPT = ("Here are notes on the history of the printing press, paper making, ink, type founding, and the "
                "spread of books across Europe in the fifteenth and sixteenth centuries. ") * 2
 
