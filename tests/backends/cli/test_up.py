@@ -150,6 +150,26 @@ def _kill_tree(procs: list) -> None:
             pass
 
 
+def _kill_up(proc, groups: set[int]) -> None:
+    """A failed test's cleanup: `disagg up`, its tree now, and every process of the roles' process groups seen
+    (each role leads its own), so an EngineCore orphaned by a role killed mid-test dies too."""
+    procs = []
+    try:
+        procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        pass
+    groups = groups | {p.pid for p in procs}
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) in groups and p.pid != os.getpid():
+                procs.append(p)
+        except (OSError, psutil.Error):
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    _kill_tree(procs)
+
+
 def _survivors(procs: list) -> list:
     _, alive = psutil.wait_procs(procs, timeout=5)
     out = []
@@ -276,13 +296,14 @@ def test_up_restarts_each_killed_role_and_keeps_serving(tmp_path):
     config, data = _write_config(tmp_path)
     proc = _up(config, multiprocess=True)
     lines, seen = _pump(proc), []
-    tree = []
+    tree, groups = [], set()
     try:
         url = _wait_for_url(lines, 600, seen)
         assert url, "no ready line from disagg up:\n" + "".join(seen) + "\n" + _logs(config)
         status, headers, body = _chat(url, "What is the capital of France?")
         assert status == 200 and json.loads(body)["choices"][0]["message"]["content"], body
         assert len(psutil.Process(proc.pid).children(recursive=True)) >= 3  # prefill + decode + gateway
+        groups.update(p.pid for p in psutil.Process(proc.pid).children())
 
         # The three kills overlap the prefill role's restart (a multiprocess vLLM start, the longest by far) instead
         # of waiting it out first: each role's own check is unchanged, and the supervisor restarts two at once.
@@ -320,6 +341,4 @@ def test_up_restarts_each_killed_role_and_keeps_serving(tmp_path):
         assert not _survivors(tree), f"left behind: {_survivors(tree)}"
         assert all(_port_free(p) for p in _ports(data))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        _kill_tree(tree)
+        _kill_up(proc, groups)
