@@ -14,6 +14,11 @@ SSE3 ("Prescott") kernels, 167 tokens/s, where its AVX-512 ("SkylakeX") ones giv
 So the kernels are chosen from the CPU's flags (OPENBLAS_CORETYPE, for the load only: numpy's own OpenBLAS, which
 reads it too, still detects for itself), unless OPENBLAS_CORETYPE is already set.
 
+One thread, unless OPENBLAS_NUM_THREADS says otherwise: OpenBLAS's threads wait for each other by yielding, and
+beside other busy processes (a test run's vLLM engine, another node, anything on a shared box) two of them made
+MLX's decode collapse from 65 ms to 2.7 s a token (prefill 296 -> 10 tokens/s) with two CPU hogs running. One
+thread: 108 ms and 230-254 tokens/s quiet, 281 ms and 83 tokens/s beside the same hogs (netlib's: 185 ms, 7).
+
 DISAGG_MLX_BLAS: `off` keeps mlx's own bundle; a path names the OpenBLAS to load."""
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from backends.host_cpu import cpu_flags, read_cpuinfo
 
 ENV = "DISAGG_MLX_BLAS"
 CORETYPE = "OPENBLAS_CORETYPE"
+THREADS = "OPENBLAS_NUM_THREADS"
 _loaded: str | None = None
 
 
@@ -66,9 +72,10 @@ def prefer_openblas() -> str:
         return "mlx's bundled reference BLAS (mlx.core was imported before OpenBLAS could be loaded)"
     cpuinfo = read_cpuinfo()
     chosen = None if CORETYPE in os.environ or cpuinfo is None else kernels(cpu_flags(cpuinfo))
+    load_env = {k: v for k, v in ((CORETYPE, chosen), (THREADS, "1")) if v and k not in os.environ}
+    threads = os.environ.get(THREADS, "1")
     for path in [choice] if choice else candidates():
-        if chosen:
-            os.environ[CORETYPE] = chosen  # read once, by the library's constructor
+        os.environ.update(load_env)  # read once, by the library's constructor
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
@@ -76,8 +83,8 @@ def prefer_openblas() -> str:
                 raise OSError(f"{ENV}={choice}: cannot load it: {e}") from e
             continue
         finally:
-            if chosen:
-                del os.environ[CORETYPE]
-        _loaded = str(Path(path)) + (f", {chosen} kernels" if chosen else "")
+            for k in load_env:
+                del os.environ[k]
+        _loaded = str(Path(path)) + (f", {chosen} kernels" if chosen else "") + f", {threads} thread(s)"
         return f"OpenBLAS ({_loaded})"
     return "mlx's bundled reference BLAS (no OpenBLAS found: MLX prefill is about 10x slower)"

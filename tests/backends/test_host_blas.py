@@ -66,3 +66,17 @@ def test_the_kernels_follow_the_cpus_flags_not_openblass_model_table():
 def test_a_coretype_already_set_is_left_alone():
     said, bound = sgemm_binding({host_blas.ENV: "", host_blas.CORETYPE: "Haswell"})
     assert "libopenblas" in bound and "kernels" not in said, said
+
+
+def test_one_thread_unless_told_otherwise():
+    """OpenBLAS's threads yield while they wait for each other: beside busy processes two of them made decode 40x
+    slower here. The setting is for MLX's OpenBLAS alone: the environment is as it was after the load."""
+    said, _ = sgemm_binding({host_blas.ENV: ""})
+    assert said.endswith(", 1 thread(s))"), said
+    said, _ = sgemm_binding({host_blas.ENV: "", host_blas.THREADS: "2"})
+    assert said.endswith(", 2 thread(s))"), said
+    run = subprocess.run([sys.executable, "-c", "import os; from backends.host_blas import prefer_openblas; "
+                          "prefer_openblas(); print(os.environ.get('OPENBLAS_NUM_THREADS'), "
+                          "os.environ.get('OPENBLAS_CORETYPE'))"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")})
+    assert run.stdout.split() == ["None", "None"], run.stdout + run.stderr
