@@ -15,11 +15,11 @@ SSE3 ("Prescott") kernels, 167 tokens/s, where its AVX-512 ("SkylakeX") ones giv
 So the kernels are chosen from the CPU's flags (OPENBLAS_CORETYPE, for the load only: numpy's own OpenBLAS, which
 reads it too, still detects for itself), unless OPENBLAS_CORETYPE is already set.
 
-Its threads: OpenBLAS's own count (the cores), but told to stop spinning at once when idle (OPENBLAS_THREAD_TIMEOUT
-4, unless set): waiting threads spin and yield, and beside other busy processes (two CPU hogs here) MLX's decode
-collapsed from 65 ms to 2.7 s a token (prefill 296 -> 10 tokens/s). With the short timeout: 71 ms and 270 tokens/s
-quiet, 390-406 ms and 21 beside the same hogs. One thread would be steadier under load (281 ms, 83) but decodes in
-108 ms quiet, and took `make test` from 17 min 54 s to 20 min 58 s; OPENBLAS_NUM_THREADS=1 chooses it.
+Its threads: OpenBLAS's own count (the cores) and its own idle spin. On a box that runs other busy processes set
+OPENBLAS_NUM_THREADS=1 (it is respected): waiting threads spin and yield, and beside two CPU hogs MLX's decode
+collapsed from 65 ms to 2.7 s a token (prefill 296 -> 10 tokens/s), where one thread gives 281 ms and 83 tokens/s
+(108 ms and 230-254 quiet). The tests' own processes do not do that to it: `make test` took 17 min 54 s with the
+default, 20 min 58 s with one thread, and more with OPENBLAS_THREAD_TIMEOUT=4 (idle threads sleep at once).
 
 DISAGG_MLX_BLAS: `off` keeps mlx's own bundle; a path names the OpenBLAS to load."""
 
@@ -37,7 +37,6 @@ from backends.host_cpu import cpu_flags, read_cpuinfo
 ENV = "DISAGG_MLX_BLAS"
 CORETYPE = "OPENBLAS_CORETYPE"
 THREADS = "OPENBLAS_NUM_THREADS"
-TIMEOUT = "OPENBLAS_THREAD_TIMEOUT"
 _loaded: str | None = None
 
 
@@ -75,7 +74,7 @@ def prefer_openblas() -> str:
         return "mlx's bundled reference BLAS (mlx.core was imported before OpenBLAS could be loaded)"
     cpuinfo = read_cpuinfo()
     chosen = None if CORETYPE in os.environ or cpuinfo is None else kernels(cpu_flags(cpuinfo))
-    load_env = {k: v for k, v in ((CORETYPE, chosen), (TIMEOUT, "4")) if v and k not in os.environ}
+    load_env = {CORETYPE: chosen} if chosen else {}
     threads = os.environ.get(THREADS, str(os.cpu_count() or 1))
     for path in [choice] if choice else candidates():
         os.environ.update(load_env)  # read once, by the library's constructor

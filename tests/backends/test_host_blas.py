@@ -68,15 +68,14 @@ def test_a_coretype_already_set_is_left_alone():
     assert "libopenblas" in bound and "kernels" not in said, said
 
 
-def test_its_threads_stop_spinning_at_once_and_the_environment_is_restored():
-    """OpenBLAS's waiting threads spin and yield: beside busy processes its default made decode 40x slower here, so
-    the load sets OPENBLAS_THREAD_TIMEOUT (for MLX's OpenBLAS alone: the environment is as it was after the load);
-    OPENBLAS_NUM_THREADS, when set, is what it runs."""
+def test_a_set_thread_count_is_used_and_the_environment_is_restored():
+    """OPENBLAS_NUM_THREADS=1 is the setting for a busy shared box (backends/host_blas.py); the kernels' setting is for
+    MLX's OpenBLAS alone: the environment is as it was after the load."""
     said, _ = sgemm_binding({host_blas.ENV: "", host_blas.THREADS: "1"})
     assert said.endswith(", 1 thread(s))"), said
     run = subprocess.run([sys.executable, "-c", "import os; from backends.host_blas import prefer_openblas; "
-                          "print(prefer_openblas()); print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), "
-                          "os.environ.get('OPENBLAS_CORETYPE'))"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")})
+                          "print(prefer_openblas()); print(os.environ.get('OPENBLAS_CORETYPE'))"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("OPENBLAS_")})
     said, env_after = run.stdout.strip().splitlines()
-    assert said.endswith(f", {os.cpu_count()} thread(s))") and env_after.split() == ["None", "None"], run.stdout
+    assert said.endswith(f", {os.cpu_count()} thread(s))") and env_after == "None", run.stdout
