@@ -16,6 +16,7 @@ import pytest
 
 from tests.support import ROOT
 from tests.support.fakes import MODEL_ID, REPLY
+from tests.support.stack import terminate
 
 KEY = "sk-netns-test-key"
 TAG = f"d42{os.getpid() % 100000}"
@@ -88,11 +89,7 @@ def gateway(namespaces, tmp_path_factory):
         _wait_listening(proc, folder / "gateway.log")
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc, 15)
         log.close()
 
 

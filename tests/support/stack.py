@@ -140,6 +140,16 @@ async def run_script(script: Path, arg: Path, log_path: Path, timeout: float = 4
     assert rc == 0, log_path.read_text(errors="replace")[-4000:]
 
 
+def terminate(proc: subprocess.Popen, grace: float = 10) -> None:
+    """SIGTERM, `grace` seconds to exit, then SIGKILL; reaped either way (a test's own gateway process)."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tests.support.fakes import sample_value
-from tests.support.stack import MODEL_ID, ROOT, free_port, wait_http
+from tests.support.stack import MODEL_ID, ROOT, free_port, terminate, wait_http
 
 pytestmark = pytest.mark.e2e
 MAX_INFLIGHT = 2
@@ -40,12 +40,7 @@ def narrow_gateway(stack, tmp_path_factory):
         wait_http(url + "/health", 120, proc)
         yield url, folder / "gateway.log"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc, 10)
 
 
 async def _metric(url: str, name: str, **labels: str) -> float:
