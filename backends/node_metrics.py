@@ -127,21 +127,35 @@ class _Gauges:
 
 
 def _spec_metrics(models: Mapping[str, _ModelState]):
-    """Speculative decoding per model (docs/speculative.md): what was drafted and kept, and the controller's state."""
+    """Speculative decoding per model (docs/speculative.md): what was drafted and kept, the controller's state, and
+    the verify cost the node measured (step seconds by query rows and context depth)."""
     def family(kind, name, doc, labels=("model",)):
         return kind(name, doc, labels=list(labels))
 
     drafted = family(CounterMetricFamily, "disagg_decode_spec_drafted_tokens", "Tokens drafted for verification")
     accepted = family(CounterMetricFamily, "disagg_decode_spec_accepted_tokens", "Drafted tokens the target kept")
     steps = family(CounterMetricFamily, "disagg_decode_spec_steps", "Decode steps of the speculative path: verify "
-                   "(drafted tokens checked in one forward) or plain (nothing drafted)", ("model", "kind"))
+                   "(drafted tokens checked in one forward), plain (nothing drafted), probe (a verify while off)",
+                   ("model", "kind"))
     runs = family(CounterMetricFamily, "disagg_decode_spec_generations", "Generations by how they decoded: "
                   "speculative, batch (others in the batch), joined_batch (left the speculative path when another "
-                  "arrived), speculation_off (handed to the batch when drafting did not pay), untrimmable_cache", ("model", "path"))
-    k = family(GaugeMetricFamily, "disagg_decode_spec_num_draft", "Draft length the controller uses now (0: off, "
-               "probing every probe_every plain steps)")
-    rate = family(GaugeMetricFamily, "disagg_decode_spec_acceptance", "Per-token acceptance alpha the controller "
-                  "estimates: accepted / (accepted + rejections), discounted over recent verify steps")
+                  "arrived), request_off (the request asked for plain decoding), untrimmable_cache", ("model", "path"))
+    k = family(GaugeMetricFamily, "disagg_decode_spec_num_draft", "Draft length of the last step (0: plain)")
+    rate = family(GaugeMetricFamily, "disagg_decode_spec_acceptance", "Per-token acceptance alpha, every source "
+                  "and match length pooled, discounted over recent observations")
+    arm = family(GaugeMetricFamily, "disagg_decode_spec_source_acceptance", "Per-token acceptance alpha the "
+                 "controller weighs, per drafting source and match-length bucket (its prior where none observed)",
+                 ("model", "source", "bucket"))
+    by_src = family(CounterMetricFamily, "disagg_decode_spec_source_tokens", "Per source: tokens it drafted into "
+                    "verify steps (kind=drafted) and the target kept (kind=accepted)", ("model", "source", "kind"))
+    secs = family(GaugeMetricFamily, "disagg_decode_spec_step_seconds", "Measured wall seconds of a decode step by "
+                  "query rows (1: a pipelined plain step; k+1: a verify step), median of the recent ones",
+                  ("model", "rows", "depth"))
+    n = family(GaugeMetricFamily, "disagg_decode_spec_step_samples", "Steps timed in that median",
+               ("model", "rows", "depth"))
+    cost = family(GaugeMetricFamily, "disagg_decode_spec_verify_cost", "Measured verify cost per drafted token, "
+                  "(t(k+1 rows) / t(1 row) - 1) / k, where both have enough samples (else the config's prior rules)",
+                  ("model", "k", "depth"))
     for mid, m in models.items():
         ctl = m.speculation
         if not ctl.enabled:
@@ -151,8 +165,20 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
         accepted.add_metric([mid], s.accepted)
         steps.add_metric([mid, "verify"], s.verify_steps)
         steps.add_metric([mid, "plain"], s.plain_steps)
-        for path, n in list(s.requests.items()):
-            runs.add_metric([mid, path], n)
+        steps.add_metric([mid, "probe"], s.probes)
+        for path, count in list(s.requests.items()):
+            runs.add_metric([mid, path], count)
         k.add_metric([mid], ctl.k)
         rate.add_metric([mid], ctl.rate)
-    yield from (drafted, accepted, steps, runs, k, rate)
+        for source, bucket, alpha in ctl.arm_report():
+            arm.add_metric([mid, source, bucket], alpha)
+        for source, (_, d, a) in list(s.by_source.items()):
+            by_src.add_metric([mid, source, "drafted"], d)
+            by_src.add_metric([mid, source, "accepted"], a)
+        for rows, depth, seconds, samples in ctl.meter.snapshot():
+            secs.add_metric([mid, str(rows), depth], seconds)
+            n.add_metric([mid, str(rows), depth], samples)
+        for kk, depth, c in ctl.meter.costs():
+            cost.add_metric([mid, str(kk), depth], c)
+    yield from (drafted, accepted, steps, runs, k, rate, arm, by_src, secs, n, cost)
+

@@ -21,6 +21,28 @@ class ProtocolError(ValueError):
     gateway)."""
 
 
+# A client's per-request switch for the decode node's speculative decoding (docs/speculative.md): "off" decodes the
+# request plainly, "on" (or no header) as the model's config says. The gateway forwards it as Sampling.speculative.
+SPECULATIVE_HEADER = "x-disagg-speculative"
+SPECULATIVE_VALUES = {"on": True, "off": False}
+
+
+def speculative_from_header(value: str | None) -> bool:
+    """The header's value as Sampling.speculative; ProtocolError on anything but on/off."""
+    if value is None:
+        return True
+    got = SPECULATIVE_VALUES.get(value.strip().lower())
+    if got is None:
+        raise ProtocolError(f"{SPECULATIVE_HEADER} must be 'on' or 'off', not {value!r}")
+    return got
+
+
+def _switch(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"speculative must be true or false, not {value!r}")
+    return value
+
+
 class Path(StrEnum):
     """How a request was served (the x-disagg-path header, the `path` metric label)."""
 
@@ -67,6 +89,7 @@ class Sampling:
     # "open": the token that must open that reasoning (else it is constrained from the start).
     grammar: dict | None = None
     grammar_generated: int = 0  # the prompt's last N tokens were generated under `grammar` (a resumed generation)
+    speculative: bool = True  # False: the node decodes this request plainly (SPECULATIVE_HEADER; `disagg bench spec`)
 
     def to_json(self) -> dict:
         """The body fields (JSON object keys are strings: logit_bias token ids go as decimal strings)."""
@@ -90,7 +113,8 @@ class Sampling:
                     repetition_penalty=num("repetition_penalty", 1.0),
                     logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
                     logprobs=num("logprobs", None, int), grammar=body.get("grammar") or None,
-                    grammar_generated=num("grammar_generated", 0, int))
+                    grammar_generated=num("grammar_generated", 0, int),
+                    speculative=_switch(body.get("speculative", True)))
         except (TypeError, ValueError, AttributeError) as e:
             raise ProtocolError(f"bad sampling parameter: {e}") from None
         p.check()

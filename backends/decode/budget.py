@@ -201,7 +201,7 @@ def draft_items(route: ModelRoute, base: Path, notes: list[str]) -> list[tuple[s
     """A speculative draft model's weights and its own cache of the longest prompt (it prefills every prompt itself,
     docs/speculative.md), for a model whose speculative.method is "draft"; measured from its folder."""
     sp = route.speculative
-    if sp.method != "draft" or not sp.draft_path:
+    if not {"draft", "auto"} & set(sp.sources) or not sp.draft_path:
         return []
     folder = Path(sp.draft_path).expanduser()
     folder = folder if folder.is_absolute() else base / folder

@@ -70,6 +70,7 @@ class MLXModel:
                  max_batch_size: int = 32, prefix_cache_bytes: int = 0, speculative=None):
         from backends.decode.prefix_cache import PrefixStore
         from backends.decode.speculative.control import SpecController
+        from backends.decode.speculative.sources import check_names
         from kv_bridge.config.speculative import SpeculativeConfig
 
         self.model_id, self.path = model_id, path
@@ -78,6 +79,8 @@ class MLXModel:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
         self.model = self.tokenizer = self.grammars = self.draft_model = None
         self.speculation = SpecController(speculative or SpeculativeConfig())  # speculative decoding (docs/speculative.md)
+        check_names(tuple(n for n in self.speculation.cfg.sources if n != "auto"))  # a name no source has: refused
+        self.draft_cap: int | None = None  # after load: the most drafted tokens attention stays fused for
         self.spec = kv_spec(path)
         self.dtype = self.kv_dtype = None  # after load: the KV dtype (mx.Dtype) and its name (kv_bridge.dtypes)
         self._inbox: queue.SimpleQueue[Job | Task | None] = queue.SimpleQueue()
@@ -101,16 +104,24 @@ class MLXModel:
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
         self.grammars = _grammar_compiler(self.tokenizer, self.vocab_size)
-        if self.speculation.cfg.method == "draft":
-            from backends.decode.speculative.drafters import load_draft
-
-            self.draft_model = load_draft(self.speculation.cfg.draft_path, self.tokenizer, self.vocab_size)
+        self._load_speculation()
         if self.kv_bits is not None:  # refuse at start-up what quantization cannot do for this model
             from mlx_lm.models.cache import make_prompt_cache
 
             from kv_bridge.mlx.cache import quantize
 
             quantize(make_prompt_cache(self.model), self.kv_bits, self.kv_group_size)
+
+    def _load_speculation(self) -> None:
+        """The draft model where a configured source needs one, and the fused-attention cap on k (sources.py)."""
+        from backends.decode.speculative.sources import model_cap, names_for
+
+        cfg = self.speculation.cfg
+        self.draft_cap = model_cap(self.model)
+        if "draft" in names_for(cfg) and cfg.draft_path:
+            from backends.decode.speculative.drafters import load_draft
+
+            self.draft_model = load_draft(cfg.draft_path, self.tokenizer, self.vocab_size)
 
     def grammar_for(self, gen: Sampling, ids: list[int]):
         """The request's GrammarProcessor (None without a grammar); a resumed generation's last
@@ -211,12 +222,7 @@ class MLXModel:
                         self._run_alone(job)
                     else:
                         spec = self._admit(batch, spec, job, alone=jobs == 1)
-                if spec is not None and not spec.step():
-                    spec = None
-                elif spec is not None and spec.wants_batch:  # speculation off: the batch's steps cost less
-                    if spec.settle():
-                        batch.adopt(spec)
-                        self.speculation.stats.ran("speculation_off")
+                if spec is not None and not spec.step():  # alone, it stays on its path to its end, drafting or not
                     spec = None
                 if batch is not None:
                     batch.step()
@@ -247,6 +253,10 @@ class MLXModel:
             spec = None
         if not self.speculation.enabled:
             batch.add(job)
+            return None
+        if not job.gen.speculative:  # the request asked for plain decoding (kv_bridge.protocol SPECULATIVE_HEADER)
+            batch.add(job)
+            stats.ran("request_off")
             return None
         if alone and not batch.jobs and not job.cancel.is_set():
             try:

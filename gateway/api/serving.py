@@ -14,10 +14,10 @@ from aiohttp import web
 
 from kv_bridge.config.models import ModelRoute
 from kv_bridge.config.settings import Settings
-from kv_bridge.protocol import Sampling
+from kv_bridge.protocol import SPECULATIVE_HEADER, ProtocolError, Sampling, speculative_from_header
 
 from gateway.api import relay
-from gateway.errors import APIError, ClientDisconnected, ModelNotFound, status_class
+from gateway.errors import APIError, ClientDisconnected, InvalidRequest, ModelNotFound, status_class
 from gateway.metrics import Metrics, RequestRecord
 from gateway.cluster.fidelity import Fidelity
 from gateway.cluster.nodes import NodePool
@@ -88,6 +88,10 @@ async def run(request: web.Request, st: GatewayState, rec: RequestRecord, route:
               sampling: Sampling, n: int, stream: bool, framing: Framing) -> web.StreamResponse:
     """Generate n choices of `prompt` and answer with them, framed for the client's API."""
     assert st.orchestrator is not None, "app not started"
+    try:  # the client's speculation switch, forwarded to the decode node (kv_bridge.protocol SPECULATIVE_HEADER)
+        sampling = replace(sampling, speculative=speculative_from_header(request.headers.get(SPECULATIVE_HEADER)))
+    except ProtocolError as e:
+        raise InvalidRequest(str(e)) from None
     if sampling.grammar is not None:  # structured output starts after the reasoning (gateway.text.reasoning.gate_grammar)
         tok = st.tokenizers[route.id]
         tail = tok.decode(prompt.ids[-8:], skip_special_tokens=False)

@@ -4,8 +4,6 @@ which drafter, how many tokens it drafts, and what the node's controller weighs 
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, Field, model_validator
 
 
@@ -23,9 +21,11 @@ class SpeculativeConfig(BaseModel):
     """Off by default. A decode node drafts only while the model's batch holds one generation (the lab's case: one
     request per model at a time); with more it decodes the batch as before."""
 
-    method: Literal["off", "prompt_lookup", "draft"] = Field(
-        default="off", description='"prompt_lookup": drafts from n-gram matches in the prompt and the text so far '
-        '(no extra model); "draft": a small model of the same tokenizer (draft_path) drafts greedily')
+    method: str | list[str] = Field(
+        default="off", description='a drafting source, a list of them (the controller picks per step), "auto" (every '
+        'one this node has and the config allows) or "off". Sources: "prompt_lookup": n-gram matches in the prompt '
+        'and the text so far (no extra model); "draft": a small model of the same tokenizer (draft_path) drafts '
+        'greedily; the decode node refuses a name it has no source for (backends/decode/speculative/sources.py)')
     num_draft: int = Field(default=4, ge=1, le=16, description="most tokens drafted per verify step")
     ngram_max: int = Field(default=4, ge=1, le=16, description="prompt_lookup: longest suffix n-gram looked up")
     ngram_min: int = Field(default=2, ge=1, le=16, description="prompt_lookup: shortest suffix n-gram looked up")
@@ -33,9 +33,12 @@ class SpeculativeConfig(BaseModel):
     adaptive: bool = Field(default=True, description="the node picks the draft length from the acceptance it "
                            "measures (false: always num_draft)")
     verify_cost: float = Field(
-        default=0.1, ge=0.0, description="what each drafted token adds to a verify forward, as a fraction of a plain "
-        "decode step (Mac, dense model: ~0.1-0.2; an MoE model more, docs/speculative.md; mlx-cpu here 0.06 on "
-        "OpenBLAS). Drafting pays while expected tokens per step / (1 + k * verify_cost) > 1 + min_gain")
+        default=0.1, ge=0.0, description="the prior only: what each drafted token adds to a verify step, as a fraction "
+        "of a plain decode step, until the node has measured its own (cost_samples steps of each size at the "
+        "context depth; exported as disagg_decode_spec_verify_cost). Drafting pays while expected tokens per step / "
+        "(1 + k * verify_cost) > 1 + min_gain")
+    cost_samples: int = Field(default=8, ge=1, le=64, description="timed steps of 1 row and of k + 1 rows (per "
+                              "context-depth bucket) before the measured verify cost replaces verify_cost")
     draft_cost: float = Field(default=0.0, ge=0.0, description="draft: one draft-model token as a fraction of a "
                               "target decode step (added per drafted token to the cost)")
     min_gain: float = Field(default=0.05, ge=0.0, description="expected speedup below 1 + this: drafting turns off")
@@ -45,13 +48,25 @@ class SpeculativeConfig(BaseModel):
     hysteresis: float = Field(default=0.04, ge=0.0, description="drafting turns off only below 1 + min_gain - this "
                               "(on above 1 + min_gain), and k changes only for a quarter of this more speedup")
     probe_every: int = Field(default=32, ge=1, description="while off: plain steps before one probing verify step "
-                             "(it drafts the smallest k that could pay)")
+                             "(it drafts the smallest k that could pay), taken at the next step with a proposal")
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The source names asked for: () when off, ("auto",) for every one."""
+        names = (self.method,) if isinstance(self.method, str) else tuple(self.method)
+        return () if names == ("off",) else names
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"speculative.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
-        if self.method == "draft" and not self.draft_path:
-            raise ValueError('speculative.method = "draft" needs draft_path: the draft model\'s MLX folder (same '
+        names = (self.method,) if isinstance(self.method, str) else tuple(self.method)
+        if not names or "off" in names and len(names) > 1 or "auto" in names and len(names) > 1:
+            raise ValueError(f'speculative.method {self.method!r}: "off", "auto", one source name or a non-empty list '
+                             'of source names (e.g. ["prompt_lookup", "draft"])')
+        if len(set(names)) != len(names):
+            raise ValueError(f"speculative.method {self.method!r} names a source twice")
+        if "draft" in names and not self.draft_path:
+            raise ValueError('speculative.method "draft" needs draft_path: the draft model\'s MLX folder (same '
                              'tokenizer as the model), or use method = "prompt_lookup"')
         return self

@@ -158,6 +158,21 @@ async def test_sampling_fields_forwarded(cluster):
     assert resp["choices"][0]["finish_reason"] == "length"
     assert resp["usage"]["completion_tokens"] == 3
 
+async def test_speculation_switch_forwarded(cluster):
+    """x-disagg-speculative (kv_bridge.protocol SPECULATIVE_HEADER) reaches the decode node as `speculative`, from
+    OpenAI and Ollama alike; a value other than on/off is the client's error."""
+    await cluster.chat(chat_body("hi"))
+    assert cluster.decode.requests[-1]["speculative"] is True
+    for path, body in (("/v1/chat/completions", chat_body("hi")),
+                       ("/api/generate", {"model": MODEL_ID, "prompt": "hi", "stream": False})):
+        async with cluster.http.post(cluster.url + path, json=body, headers={"x-disagg-speculative": "off"}) as r:
+            assert r.status == 200, await r.text()
+        assert cluster.decode.requests[-1]["speculative"] is False
+    async with cluster.http.post(cluster.url + "/v1/chat/completions", json=chat_body("hi"),
+                                 headers={"x-disagg-speculative": "maybe"}) as r:
+        assert r.status == 400 and "x-disagg-speculative" in (await r.json())["error"]["message"]
+
+
 async def test_default_sampling(cluster):
     await cluster.chat(chat_body("hi"))
     gen = cluster.decode.requests[-1]

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 class PromptLookup:
     """Drafts the tokens that followed the latest earlier occurrence of the sequence's longest suffix n-gram
-    (ngram_max down to ngram_min). An index per n keeps the lookup O(1) per token on a 25k-token prompt."""
+    (ngram_max down to ngram_min). An index per n keeps the lookup O(1) per token on a 25k-token prompt.
+    A DraftSource (sources.py): `match_len` is the n of the n-gram the last draft matched (0: none)."""
+
+    name = "prompt_lookup"
+    MAX_EXTENT = 32  # past the last bucket's lower bound (16): no need to look further
 
     def __init__(self, seq: list[int], ngram_min: int, ngram_max: int) -> None:
         self.seq = seq  # shared with the runner: it appends every token it emits
+        self.match_len = 0
         self.sizes = range(ngram_max, ngram_min - 1, -1)
         self.index: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
         self._indexed = 0  # n-grams ending before this position are in the index
@@ -28,6 +33,7 @@ class PromptLookup:
         self._indexed = max(self._indexed, len(seq) - 1)
 
     def draft(self, k: int) -> list[int]:
+        self.match_len = 0
         if k <= 0:
             return []
         self._catch_up()
@@ -37,8 +43,17 @@ class PromptLookup:
                 continue
             j = self.index[n].get(tuple(seq[-n:]))
             if j is not None:
+                self.match_len = self._extent(j, n)
                 return seq[j + 1:j + 1 + k]
         return []
+
+    def _extent(self, j: int, n: int) -> int:
+        """How far the match ending at j reaches back past its n-gram (up to MAX_EXTENT): a 2-gram that is the tail
+        of a 20-token quote is a long match, one that is not is likely chance."""
+        seq, length, end = self.seq, n, len(self.seq) - 1
+        while length < self.MAX_EXTENT and j - length >= 0 and seq[j - length] == seq[end - length]:
+            length += 1
+        return length
 
     def prefill_step(self) -> bool:
         """Nothing to prefill (False: the verify step may run)."""
@@ -59,13 +74,15 @@ class DraftModel:
     cache holding refused tokens)."""
 
     PREFILL_CHUNK = 512
+    name = "draft"
+    match_len = 0  # a model matches no context suffix: its acceptance is kept in the first bucket
 
-    def __init__(self, model, seq: list[int]) -> None:
+    def __init__(self, model, seq: list[int], draft_cost: float = 0.0) -> None:  # cost: the config's prior
         from mlx_lm.models.cache import make_prompt_cache
 
         from kv_bridge.mlx.cache import rollback_caches
 
-        self.model, self.seq = model, seq
+        self.model, self.seq, self.draft_cost = model, seq, draft_cost
         self.cache = rollback_caches(make_prompt_cache(model))
         self.fed = 0  # seq[:fed] is in the draft cache
         self._pending: list[int] = []  # drafted tokens run through the draft cache, not yet kept or refused
@@ -115,8 +132,9 @@ class DraftModel:
     def accepted(self, kept: int) -> None:
         """The target kept `kept` drafted tokens (already appended to seq): keep as many of those the draft cache
         ran and trim the rest; where a sliding layer cannot, go back to the cache before the drafts (the kept ones
-        are fed again with the next draft)."""
-        keep = min(kept, len(self._pending))
+        are fed again with the next draft). At least the newest token of seq stays unfed: the next draft's logits
+        come from feeding it (a plain step's one token may be a kept draft the cache already ran)."""
+        keep = max(0, min(kept, len(self._pending), len(self.seq) - 1 - self.fed))
         drop, ran = len(self._pending) - keep, len(self._pending)
         rings = [c.rollback_room() for c, s in zip(self.cache, self._saved) if s is not None]
         if drop <= min(rings, default=drop):

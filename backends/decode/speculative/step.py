@@ -13,10 +13,11 @@ greedy output equals plain decoding token for token; a seeded sampler draws the 
 from __future__ import annotations
 
 import logging
+import time
 
 from backends.decode.batch import LeadingSpace, _finish, _Running, token_line
-from backends.decode.speculative.control import outcome
-from backends.decode.speculative.drafters import DraftModel, PromptLookup
+from backends.decode.speculative.control import Proposal
+from backends.decode.speculative.sources import make_sources
 from backends.decode.sampling import make_sampling
 
 log = logging.getLogger("backends.decode.node")
@@ -27,21 +28,25 @@ CONTEXT = 64  # tokens handed to the logits processors (penalties look at the la
 
 class SpecRun:
     """A job on the speculative path. MLX thread only. `start()` builds its cache (False: not trimmable, the batch
-    must take it); `step()` advances one prefill chunk (the target's, then a draft model's) or one verify step and
-    returns False once the job has left; `wants_batch` says when speculation is off and the batch should take it."""
+    must take it) and its drafting sources; `step()` advances one prefill chunk (the target's, then a source's own)
+    or one plain or verify step and returns False once the job has left. It stays on this path to its end unless
+    another generation comes to share the model's batch (the engine decides): being off is no reason to leave."""
 
     def __init__(self, m, job) -> None:
         self.m, self.job, self.ctl = m, job, m.speculation
         self.run = _Running(job, m.tokenizer.detokenizer, LeadingSpace(m.tokenizer))
-        self.cache = self.drafter = None
+        self.cache = None
+        self.sources: list = []
         self.seq = [*job.history, *job.tokens]  # every token fed or emitted; the cache holds seq[:fed]
         self.fed = len(job.history)
         self.n = 0  # tokens emitted
         self.sampler, self.processors = make_sampling(job.gen, [], m.vocab_size, job.grammar)
         self.eos = set(m.tokenizer.eos_token_ids)
-        self._plain_off = 0  # consecutive plain steps while the controller is off
+        self.cap = getattr(m, "draft_cap", None)  # the fused-attention cap on k (sources.fused_cap)
         self.pending = None  # a plain step's (token, logprobs), lazy, evaluating: not yet emitted
         self._chain = True  # whether the next plain step starts before the pending token is read
+        self._shadow: list[tuple[object, Proposal]] = []  # free sources' drafts for the pending token, to score
+        self._tick: float | None = None  # when the last chained plain token was read (a 1-row step's interval)
 
     def start(self) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
@@ -53,9 +58,7 @@ class SpecRun:
         self.cache = rollback_caches(cache)  # sliding-window layers (gpt-oss) roll back past their window
         if not can_trim_prompt_cache(self.cache):  # e.g. a recurrent layer's state: the batch must take it
             return False
-        cfg = self.ctl.cfg
-        self.drafter = (DraftModel(self.m.draft_model, self.seq) if cfg.method == "draft"
-                        else PromptLookup(self.seq, cfg.ngram_min, cfg.ngram_max))
+        self.sources = make_sources(self.m, self.seq, self.ctl.cfg)
         self.ctl.new_generation()
         return True
 
@@ -76,22 +79,57 @@ class SpecRun:
                 mx.eval([c.state for c in self.cache])
                 self.fed = end
                 return True
-            if self.drafter.prefill_step():  # a draft model's own prefill, a chunk a step like any prompt
+            if any(s.prefill_step() for s in self.sources):  # a draft model's own prefill, a chunk a step
                 return True
             if self.pending is not None:
                 return self._advance_plain()
-            k = min(self.ctl.draft_len(), self.job.gen.max_tokens - self.n - 1)
-            drafts = self.drafter.draft(k) if k > 0 else []
-            if not drafts:  # a plain step, pipelined: its token is read at the next step
+            props = self._draft(self._limit(), costly=True)
+            choice = self.ctl.choose([p for _, p in props], len(self.seq), self._limit())
+            if choice is None:  # a plain step, pipelined: its token is read at the next step
                 self.pending = self._launch(mx.array(self.seq[-1:]), mx.array(self.seq[-CONTEXT:]))
-                self._plain(True)
+                self._shadow = props
+                self.ctl.plain()
                 return True
-            return self._verify(drafts)
+            return self._verify(props, *choice)
         except Exception as e:  # the request's failure, reported as its error line; the loop goes on
             log.exception("speculative generation failed")
             self.job.emit(("error", f"{type(e).__name__}: {e}"))
             self._leave()
             return False
+
+    def _limit(self) -> int:
+        """The most tokens a verify step may draft now: num_draft, the fused-attention cap, the tokens left."""
+        room = self.job.gen.max_tokens - self.n - 1
+        return min(self.ctl.cfg.num_draft, self.cap or self.ctl.cfg.num_draft, room)
+
+    def _draft(self, limit: int, costly: bool) -> list[tuple[object, Proposal]]:
+        """Every free source's draft of up to `limit` tokens, and (`costly`) a costly one's (a model: its drafts are
+        timed) where the controller asks for one; (source, proposal) for those that proposed something."""
+        out = []
+        if limit < 1:
+            return out
+        depth = len(self.seq)
+        for src in self.sources:
+            cost = self.ctl.draft_cost(src.name, getattr(src, "draft_cost", 0.0), depth)
+            k = limit
+            if self.ctl.costly(src.name, cost):
+                k = self.ctl.ask(src.name, src.match_len, depth, limit, cost) if costly else 0
+            t0 = time.perf_counter()
+            tokens = src.draft(k) if k > 0 else []
+            if tokens:
+                self.ctl.timed_draft(src.name, time.perf_counter() - t0, len(tokens))
+                out.append((src, Proposal(src.name, tokens, src.match_len, cost)))
+        return out
+
+    def _score(self, props: list[tuple[object, Proposal]], emitted: list[int], chosen=None, k: int = 0):
+        """Each proposal against what the target emitted: its arm learns, its source hears how many it kept.
+        Returns the chosen one's (accepted, rejected)."""
+        got = (0, 0)
+        for src, p in props:
+            a, r = self.ctl.observe(p, emitted, k if src is chosen else None)
+            src.accepted(a)
+            got = (a, r) if src is chosen else got
+        return got
 
     def _launch(self, y, context):
         """A plain step as BatchGenerator runs it: the forward over y (known, or the lazy token of the step before),
@@ -108,29 +146,37 @@ class SpecRun:
         return token, logprobs
 
     def _advance_plain(self) -> bool:
-        """The pending token: while nothing can be drafted, build and start the next plain step on it before reading
-        it (the pipeline), then emit it."""
+        """The pending token: while the controller would not verify, build and start the next plain step on it
+        before reading it (the pipeline), then emit it. Free sources draft for the token in flight; their drafts
+        are scored when it is read (what a probe would have learned, at no cost)."""
         import mlx.core as mx
 
         token, logprobs = self.pending
         self.pending = None
-        if self._chain and self.n + 1 < self.job.gen.max_tokens:
+        chained = self._chain and self.n + 1 < self.job.gen.max_tokens
+        if chained:
             context = mx.concatenate([mx.array(self.seq[-(CONTEXT - 1):]), token.astype(mx.int32)])
             self.pending = self._launch(token, context)
-            self._plain(False)
-        if self._emit(int(token.item()), logprobs):
+            self.ctl.plain()
+        t = int(token.item())
+        now = time.perf_counter()
+        if self._tick is not None:  # one pipelined 1-row step's interval
+            self.ctl.meter.add(1, len(self.seq), now - self._tick)
+        self._tick = now if chained else None
+        if self._emit_plain(t, logprobs):
             self._leave()
             return False
-        # Go on chaining while the drafter has nothing for the text so far; else the next step reads the pending
-        # token and drafts from there.
-        self._chain = self.ctl.draft_len() == 0 or (isinstance(self.drafter, PromptLookup)
-                                                    and not self.drafter.draft(1))
+        if self.pending is not None:  # drafts for the token in flight; verify from there if one would pay
+            self._shadow = self._draft(self._limit(), costly=False)
+            self._chain = not self.ctl.would_verify([p for _, p in self._shadow], len(self.seq) + 1, self._limit())
         return True
 
-    def _plain(self, first: bool) -> None:
-        self.ctl.record(0, 0)
-        self._chain = self._chain if not first else True
-        self._plain_off = self._plain_off + 1 if self.ctl.k == 0 else 0
+    def _emit_plain(self, token: int, logprobs) -> bool:
+        """A plain step's token: the drafts made for it scored, then emitted; True when it ends the generation."""
+        shadow, self._shadow = self._shadow, []
+        finished = self._emit(token, logprobs)
+        self._score(shadow, [token])  # after the token is in seq, as after a verify step
+        return finished
 
     def settle(self) -> bool:
         """Before the batch takes it: the pending token, if any, read and emitted (its sampler draw is spent).
@@ -139,7 +185,7 @@ class SpecRun:
             return True
         token, logprobs = self.pending
         self.pending = None
-        if self._emit(int(token.item()), logprobs):
+        if self._emit_plain(int(token.item()), logprobs):
             self._leave()
             return False
         return True
@@ -153,10 +199,15 @@ class SpecRun:
         self.job.emit(("token", token_line(token, self.run.text(token, reason), logprobs[0], gen), reason))
         return reason is not None
 
-    def _verify(self, drafts: list[int]) -> bool:
+    def _verify(self, props: list[tuple[object, Proposal]], chosen: int, k: int) -> bool:
+        """One verify step over proposal `chosen`'s first k tokens; every proposal is scored against the outcome.
+        Its wall time (forward, accept, trim) is the k + 1-row sample of the measured verify cost."""
         import mlx.core as mx
         from mlx_lm.models.cache import trim_prompt_cache
 
+        t0 = time.perf_counter()
+        src, prop = props[chosen]
+        drafts = prop.tokens[:k]
         before = len(self.seq)
         inputs = [self.seq[-1], *drafts]
         logits = self.m.model(mx.array([inputs]), cache=self.cache)[0]  # (1 + len(drafts), vocab)
@@ -174,34 +225,29 @@ class SpecRun:
             finished = self._emit(token, logprobs)
             return token, finished
 
-        kept = accept_drafts(logits, drafts, pick)
+        accept_drafts(logits, drafts, pick)
         # The cache ran every input; it keeps y and the drafted tokens that were emitted as drafted.
         extra = self.fed - (len(self.seq) - 1)
         if extra > 0:
             if trim_prompt_cache(self.cache, extra) != extra:  # never decode on with refused tokens in the cache
                 raise RuntimeError("the cache could not drop the refused drafted tokens")
             self.fed -= extra
-        self.drafter.accepted(kept)
-        self.ctl.record(len(drafts), *outcome(drafts, self.seq[before:]))
+        self.ctl.meter.add(k + 1, before, time.perf_counter() - t0)
+        self._tick = None
+        self.ctl.verified(prop.name, k, *self._score(props, self.seq[before:], src, k))
         if finished:
             self._leave()
             return False
-        self._plain_off = 0
         return True
 
-    @property
-    def wants_batch(self) -> bool:
-        """Speculation is off for this generation: the controller is off and not probing, or its probe found
-        nothing to draft for probe_every steps. The batch (pipelined) decodes plain steps faster."""
-        ctl = self.ctl
-        if not ctl.cfg.adaptive or ctl.k > 0 or self.fed < len(self.seq) - 1:
-            return False
-        return ctl.draft_len() == 0 or self._plain_off >= ctl.cfg.probe_every
+    def _close_sources(self) -> None:
+        for src in self.sources:
+            src.close()
+        self.sources = []
 
     def _leave(self) -> None:
         """Finished or cancelled: the cache (holding seq[:fed]) goes to on_finished, then the job's end."""
-        if self.drafter is not None:
-            self.drafter.close()
+        self._close_sources()
         _finish(self.job, self.seq[:self.fed], self.cache)
 
     def fail(self, message: str) -> None:
@@ -212,8 +258,7 @@ class SpecRun:
         """What the batch needs to carry this generation on where it stands (Batch.adopt): the tokens still to run
         (at least the last one emitted), the cache of those before, the budget left, and the same sampler,
         processors and detokenizer (a seed's key and a grammar's state go on from here)."""
-        if self.drafter is not None:
-            self.drafter.close()
+        self._close_sources()
         return dict(tokens=self.seq[self.fed:], cache=self.cache, all_tokens=self.seq[:self.fed],
                     max_tokens=self.job.gen.max_tokens - self.n, sampler=self.sampler, processors=self.processors,
                     running=self.run)

@@ -1,6 +1,6 @@
 """Speculative decoding's parts that need no decode loop: the accept rule's distribution over real SmolLM2 logits
-(fixed seed), prompt lookup's index, the controller turning drafting down, off and back on, the config's checks,
-and the node's /metrics for it."""
+(fixed seed), prompt lookup's index, the controller (per source and match length, at a prior or measured cost)
+turning drafting down, off and back on, the config's checks, and the node's /metrics for it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from pydantic import ValidationError
 
 from backends.decode.speculative.drafters import PromptLookup
 from backends.node_metrics import DecodeMetrics
-from backends.decode.speculative.control import (SpecController, best_draft, best_k, expected_tokens, outcome,
-                                                  probe_len, speedup)
+from backends.decode.speculative.control import Proposal, SpecController, expected_tokens, outcome, speedup
 from backends.decode.speculative.step import accept_drafts
 from tests.support.fakes import sample_value
 from kv_bridge.config.models import ModelRoute
@@ -67,11 +66,14 @@ def test_accept_rule_keeps_the_target_distribution(mlx_ref):
 def test_prompt_lookup_index():
     seq = [1, 2, 3, 4, 9, 1, 2, 3]
     pl = PromptLookup(seq, 2, 3)
-    assert pl.draft(2) == [4, 9]
+    assert pl.draft(2) == [4, 9] and pl.match_len == 3
     seq.extend([7, 7])  # no earlier [3, 7, 7] or [7, 7]
-    assert pl.draft(3) == []
+    assert pl.draft(3) == [] and pl.match_len == 0
     seq.extend([1, 2])  # [7, 1, 2] unseen; [1, 2] last seen at 5 -> 3, 7, 7
     assert pl.draft(3) == [3, 7, 7]
+    quote = [5, 6, 7, 8, 1, 2, 3, 4, 9, 0]  # a 2-gram that ends a 7-token repeat matches 7 long, not 3
+    pl = PromptLookup(quote + [5, 6, 7, 8, 1, 2, 3], 2, 3)
+    assert pl.draft(2) == [4, 9] and pl.match_len == 7 and pl.name == "prompt_lookup"
 
 
 def test_expected_tokens_and_speedup():
@@ -81,24 +83,37 @@ def test_expected_tokens_and_speedup():
     assert speedup(0.9, 4, 1.0) < 1.0  # a verify forward costing k+1 plain steps never pays (mlx-cpu on netlib BLAS)
 
 
-def test_best_draft_follows_acceptance_and_cost():
-    mac = SpeculativeConfig(method="prompt_lookup", num_draft=6, verify_cost=0.1)
-    assert best_draft(0.9, mac) == 6
-    assert 0 < best_draft(0.4, mac) < best_draft(0.7, mac)
-    assert best_draft(0.05, mac) == 0
-    assert best_draft(0.9, mac.model_copy(update={"verify_cost": 1.0})) == 0
+def best_fixed(alpha: float, cfg: SpeculativeConfig) -> float:
+    """The expected speedup of the best fixed k (k = 0: 1.0) at the config's cost."""
+    return max([1.0] + [speedup(alpha, k, cfg.verify_cost) for k in range(1, cfg.num_draft + 1)])
 
 
-def _simulate(ctl: SpecController, alpha: float, steps: int, rng: random.Random) -> tuple[float, float, float]:
-    """Drive the controller with i.i.d. per-token acceptance alpha: (tokens, cost in plain steps, on-steps)."""
+def step(ctl: SpecController, alpha: float, rng: random.Random, match_len: int = 8, limit: int = 16,
+         name: str = "s") -> int:
+    """One step of a source that always proposes `limit` tokens matched `match_len` long, each kept with probability
+    alpha (i.i.d.), as the runner drives the controller; returns the drafted count (0: a plain step)."""
+    p = Proposal(name, [1] * limit, match_len)
+    choice = ctl.choose([p], depth=1000, limit=limit)
+    k = choice[1] if choice else 0
+    a = 0
+    while a < max(k, 1) and rng.random() < alpha:
+        a += 1
+    emitted = [1] * a + [2] * (a < max(k, 1))  # the target's tokens: kept ones, then another
+    if k:
+        ctl.verified("s", k, *ctl.observe(p, emitted, k))
+    else:
+        ctl.observe(p, emitted[:1])  # a plain step still scores the proposal's first token
+        ctl.plain()
+    return k
+
+
+def _simulate(ctl: SpecController, alpha: float, steps: int, rng: random.Random, **kw) -> tuple[float, float, float]:
+    """(tokens, cost in plain steps, verify steps) over `steps` steps at i.i.d. acceptance alpha."""
     tokens = cost = on = 0.0
     for _ in range(steps):
-        k = ctl.draft_len()
-        a = 0
-        while a < k and rng.random() < alpha:
-            a += 1
-        ctl.record(k, a)
-        tokens, cost, on = tokens + a + 1, cost + 1 + k * ctl.cfg.verify_cost, on + (k > 0)
+        before = ctl.stats.accepted
+        k = step(ctl, alpha, rng, **kw)
+        tokens, cost, on = tokens + 1 + ctl.stats.accepted - before, cost + 1 + k * ctl.cfg.verify_cost, on + (k > 0)
     return tokens, cost, on
 
 
@@ -108,88 +123,123 @@ ALPHAS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 @pytest.mark.parametrize("cost", COSTS)
 def test_controller_settles_near_the_best_k(cost):
-    """Over a grid of true alpha (i.i.d. per token) and verify costs, after 1,000 steps to settle, the next 2,000
-    decode within 10% of the best fixed k's expected speedup (k = 0 included), and drafting is on wherever some
-    k >= 1 pays clear of the hysteresis band (its expected speedup above 1 + min_gain + 2 * hysteresis)."""
+    """Over a grid of true alpha (i.i.d. per token) and verify costs (the prior: nothing measured), after 1,000 steps
+    to settle, the next 2,000 decode within 10% of the best fixed k's expected speedup (k = 0 included), and
+    drafting is on wherever some k >= 1 pays clear of the hysteresis band."""
     for alpha in ALPHAS:
         cfg = SpeculativeConfig(method="prompt_lookup", num_draft=6, verify_cost=cost)
-        best = max(1.0, best_k(alpha, cfg)[1])
+        best = best_fixed(alpha, cfg)
         for seed in range(3):
             ctl, rng = SpecController(cfg), random.Random(seed)
-            _simulate(ctl, alpha, 1000, rng)
-            tokens, spent, on = _simulate(ctl, alpha, 2000, rng)
+            _simulate(ctl, alpha, 1000, rng, limit=6)
+            tokens, spent, on = _simulate(ctl, alpha, 2000, rng, limit=6)
             assert tokens / spent >= 0.9 * best, (alpha, cost, seed, tokens / spent, best)
             if best > 1 + cfg.min_gain + 2 * cfg.hysteresis:
                 assert on / 2000 >= 0.95, (alpha, cost, seed, on)
 
 
-def test_alpha_is_per_token_acceptance_not_accepted_over_drafted():
-    """A true alpha of 0.7 at k = 4 keeps 0.7 + 0.49 + 0.34 + 0.24 = 1.77 of 4 drafted tokens (0.44 of them): the
-    estimate is 0.7, and at the documented Qwen3-Coder cost (0.6) k = 1 pays from alpha ~0.66, so it is on."""
-    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=4, adaptive=False, verify_cost=0.6)
+def test_acceptance_is_kept_per_match_length():
+    """Short matches that are chance (alpha 0.1) and long ones that are quotes (alpha 0.9), interleaved: the short
+    ones stop drafting, the long ones keep drafting at a long k."""
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=3, verify_cost=0.2)
+    ctl, rng = SpecController(cfg), random.Random(2)
+    short = long_ = 0
+    for i in range(3000):
+        long_match = i % 3 == 0
+        k = step(ctl, 0.9 if long_match else 0.1, rng, match_len=20 if long_match else 2, limit=3)
+        if i >= 1000:
+            short, long_ = short + (k > 0 and not long_match), long_ + (k == 3 and long_match)
+    assert ctl.alpha("s", 2) < 0.2 < 0.8 < ctl.alpha("s", 20)
+    assert long_ >= 0.95 * 667 and short <= 0.05 * 1333, (long_, short)
+
+
+def test_spurious_first_matches_do_not_switch_off_the_rest():
+    """A scripted source: its first 40 proposals are spurious 2-token matches (all refused), then the text quotes
+    its prompt (20-token matches, alpha 0.9). Drafting comes back within a few dozen tokens of the quote starting,
+    and a fresh generation with the same controller drafts its quotes from the start."""
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=3, verify_cost=0.3)
+    ctl, rng = SpecController(cfg), random.Random(5)
+    trace = []
+    for _ in range(40):
+        trace.append(step(ctl, 0.0, rng, match_len=2, limit=3))
+    assert 0 in trace[-10:]  # the short matches stopped paying
+    back = next(i for i in range(400) if step(ctl, 0.9, rng, match_len=20, limit=3) > 0)
+    assert back <= 32, back
+    ctl.new_generation()
+    assert step(ctl, 0.9, rng, match_len=20, limit=3) == 3
+
+
+def test_off_still_learns_from_plain_steps():
+    """Off (short matches refused), plain steps score each proposal's first token against the emitted one: when
+    the same bucket starts being kept, drafting comes back without waiting for a probe."""
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=3, verify_cost=0.3, probe_every=10_000)
     ctl, rng = SpecController(cfg), random.Random(1)
-    _simulate(ctl, 0.7, 3000, rng)
-    assert ctl.rate == pytest.approx(0.7, abs=0.06)
-    assert ctl.stats.accepted / ctl.stats.drafted == pytest.approx(0.44, abs=0.05)
-    adaptive = SpecController(cfg.model_copy(update={"adaptive": True}))
-    _simulate(adaptive, 0.8, 1000, rng)
-    assert adaptive.draft_len() >= 1  # the old controller stayed at 0 fed alpha = 0.8
+    for _ in range(60):
+        step(ctl, 0.0, rng, match_len=2, limit=3)
+    ctl._since_probe = 0  # no probe due: only the free scoring can bring it back
+    assert next(i for i in range(300) if step(ctl, 0.95, rng, match_len=2, limit=3)) < 80
 
 
-def test_outcome_counts_a_rejection_only_where_one_was_seen():
-    assert outcome([5, 6, 7], [5, 6, 9]) == (2, 1)
-    assert outcome([5, 6, 7], [5, 6, 7, 8]) == (3, 0)
-    assert outcome([5, 6, 7], [5]) == (1, 0)  # the step finished on a kept token (EOS, max_tokens): censored
-    assert outcome([5], [4]) == (0, 1)
-
-
-def test_probes_draft_the_smallest_k_that_pays_and_turn_it_back_on():
-    """Off after nothing is kept; each probe drafts the smallest k that pays at all (1 at a low cost, more where one
-    drafted token cannot cover its cost); a text that starts repeating its prompt turns it back on."""
+def test_probes_draft_the_smallest_k_that_pays_and_count():
     cfg = SpeculativeConfig(method="prompt_lookup", num_draft=4, probe_every=3, verify_cost=0.6)
-    assert probe_len(cfg) == 1
-    assert probe_len(cfg.model_copy(update={"verify_cost": 0.93})) == 3  # 2/1.93 < 1.05, 4/2.86 > 1.05
-    assert probe_len(cfg.model_copy(update={"verify_cost": 1.0})) == 0  # nothing ever pays: no probes
     ctl = SpecController(cfg)
-    assert ctl.draft_len() == 1  # alpha 0.5 does not pay at this cost: it starts by probing
-    offs = 0
-    while offs < 40:
-        k = ctl.draft_len()
-        ctl.record(k, 0)
-        offs += 1
+    assert ctl.probe_len(1000) == 1
+    assert SpecController(cfg.model_copy(update={"verify_cost": 0.93})).probe_len(1000) == 3  # 2/1.93 < 1.05
+    never = SpecController(cfg.model_copy(update={"verify_cost": 1.0}))
+    assert never.probe_len(1000) == 1  # nothing pays at the prior: probe once in a while to measure the real cost
+    for _ in range(8):
+        never.meter.add(1, 1000, 1.0)
+        never.meter.add(2, 1000, 2.0)
+    assert never.probe_len(1000) == 0  # measured: a drafted token costs a whole step, never probe
+    p = Proposal("s", [1, 2, 3, 4], 2)
+    for _ in range(30):
+        if ctl.choose([p], 1000, 4):
+            ctl.verified("s", 1, *ctl.observe(p, [9]))
+        else:
+            ctl.plain()
+    assert ctl.stats.probes >= 5 and ctl.stats.drafted == ctl.stats.probes  # each probe drafted one token
+    assert ctl.choose([], 1000, 4) is None and ctl.choose([Proposal("s", [], 0)], 1000, 4) is None
+
+
+def test_measured_cost_replaces_the_prior():
+    """At a prior of 0.8 a 0.6 acceptance never pays; once the node has timed cheap verify steps (8 of each size)
+    it drafts, and at the fused cap's limit."""
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=4, verify_cost=0.8, cost_samples=8)
+    ctl, rng = SpecController(cfg), random.Random(4)
+    _simulate(ctl, 0.6, 300, rng, limit=3)
     assert ctl.k == 0
-    probes = []
-    for _ in range(200):
-        k = ctl.draft_len()
-        probes.append(k)
-        ctl.record(k, k)  # everything drafted is kept
-        if ctl.k:
-            break
-    assert ctl.k > 0 and set(probes) <= {0, 1} and 1 in probes
-    s = ctl.stats
-    assert s.verify_steps + s.plain_steps == offs + len(probes)
+    for rows in (1, 2, 3, 4):
+        for _ in range(8):
+            ctl.meter.add(rows, 1000, 0.1 * (1 + 0.05 * (rows - 1)))
+    assert ctl.meter.ratio(3, 1000) == pytest.approx(1.15)
+    _, _, on = _simulate(ctl, 0.6, 300, rng, limit=3)
+    assert on >= 250 and ctl.k <= 3
 
 
 def test_hysteresis_keeps_it_on_through_a_short_bad_run():
     cfg = SpeculativeConfig(method="prompt_lookup", num_draft=4, verify_cost=0.2)
     ctl, rng = SpecController(cfg), random.Random(3)
     _simulate(ctl, 0.8, 300, rng)
-    k = ctl.k
-    assert k > 0
-    for _ in range(3):  # three verify steps that keep nothing
-        ctl.record(ctl.draft_len(), 0)
     assert ctl.k > 0
+    for _ in range(3):  # three verify steps that keep nothing
+        step(ctl, 0.0, rng)
+    assert step(ctl, 0.8, rng) > 0
 
 
 def test_fixed_draft_length_when_not_adaptive():
     ctl = SpecController(SpeculativeConfig(method="prompt_lookup", num_draft=5, adaptive=False))
-    for _ in range(10):
-        ctl.record(5, 0)
-    assert ctl.draft_len() == 5
+    rng = random.Random(0)
+    assert all(step(ctl, 0.0, rng, limit=8) == 5 for _ in range(10))
+    assert ctl.choose([Proposal("s", [1, 2], 3)], 1000, 8) == (0, 2)  # never more than proposed
 
 
 def test_config_checks():
-    assert ModelRoute(id="m", path="p", decode=["d"]).speculative.method == "off"
+    assert ModelRoute(id="m", path="p", decode=["d"]).speculative.sources == ()
+    assert SpeculativeConfig(method=["prompt_lookup", "suffix"]).sources == ("prompt_lookup", "suffix")
+    assert SpeculativeConfig(method="auto").sources == ("auto",)
+    for bad in (["off", "prompt_lookup"], [], ["auto", "draft"], ["prompt_lookup", "prompt_lookup"]):
+        with pytest.raises(ValidationError, match="speculative.method"):
+            SpeculativeConfig(method=bad)
     with pytest.raises(ValidationError, match="draft_path"):
         SpeculativeConfig(method="draft")
     with pytest.raises(ValidationError, match="ngram_min"):
@@ -211,9 +261,14 @@ class _Model:
 
 def test_metrics_show_drafted_accepted_and_the_controller():
     on = SpecController(SpeculativeConfig(method="prompt_lookup", num_draft=4, adaptive=False))
-    on.record(4, 3)
-    on.record(0, 0)
+    p = Proposal("prompt_lookup", [1, 2, 3, 4], 3)
+    assert on.choose([p], 1000, 4) == (0, 4)
+    on.verified("prompt_lookup", 4, *on.observe(p, [1, 2, 3, 9], 4))
+    on.plain()
     on.stats.ran("speculative")
+    for _ in range(8):
+        on.meter.add(1, 1000, 0.1)
+        on.meter.add(5, 1000, 0.14)
     svc = type("S", (), {"models": {"a": _Model(on), "b": _Model(SpecController(SpeculativeConfig()))},
                          "running": 0, "receiver": type("R", (), {"transfers": {}, "inflight_bytes": 0})()})()
     text = generate_latest(DecodeMetrics(svc).registry).decode()
@@ -222,10 +277,15 @@ def test_metrics_show_drafted_accepted_and_the_controller():
     assert sample_value(text, "disagg_decode_spec_steps_total", model="a", kind="verify") == 1
     assert sample_value(text, "disagg_decode_spec_steps_total", model="a", kind="plain") == 1
     assert sample_value(text, "disagg_decode_spec_generations_total", model="a", path="speculative") == 1
-    assert sample_value(text, "disagg_decode_spec_num_draft", model="a") == 4
-    # alpha: (prior 1 + 3 accepted) / (that + prior 1 + 1 rejection), the prior discounted by one verify step
-    d = 1 - on.cfg.ewma_alpha
-    assert sample_value(text, "disagg_decode_spec_acceptance", model="a") == pytest.approx((d + 3) / (2 * d + 4))
+    assert sample_value(text, "disagg_decode_spec_num_draft", model="a") == 0  # the last step was plain
+    assert sample_value(text, "disagg_decode_spec_acceptance", model="a") == pytest.approx(4 / 6)  # (1+3)/(2+3+1)
+    # the 3-5 bucket: prior 0.55 x 2 pseudo-trials, 3 kept, 1 refused
+    assert sample_value(text, "disagg_decode_spec_source_acceptance", model="a", source="prompt_lookup",
+                        bucket="3-5") == pytest.approx((1.1 + 3) / (2 + 4))
+    assert sample_value(text, "disagg_decode_spec_source_tokens_total", model="a", source="prompt_lookup",
+                        kind="accepted") == 3
+    assert sample_value(text, "disagg_decode_spec_step_seconds", model="a", rows="5", depth="0-2k") == 0.14
+    assert sample_value(text, "disagg_decode_spec_verify_cost", model="a", k="4", depth="0-2k") == pytest.approx(0.1)
     assert sample_value(text, "disagg_decode_spec_drafted_tokens_total", model="b") is None  # off: not shown
 
 

@@ -220,14 +220,17 @@ def test_seeded_hand_off_to_the_batch_equals_plain_decoding(tiny, method):
     assert ctl.stats.verify_steps > 0 or method == "prompt_lookup"
 
 
-def test_speculation_off_hands_the_generation_to_the_batch(tiny):
-    """Adaptive at a verify cost nothing pays at (verify_cost 1.0): no probes, and the generation goes to the
-    batch at its first decode step; the answer is plain decoding's."""
+def test_speculation_off_keeps_a_lone_generation_on_its_path(tiny):
+    """Adaptive at a verify cost nothing pays at (verify_cost 1.0, probe_every 8): a lone generation is never handed
+    to the batch; its steps are plain but for a few probes (one drafted token each: the smallest k, to measure the
+    cost the prior says is hopeless) and the answer is plain decoding's, sampled at the lab's settings."""
     use(tiny, "off")
-    want = tokens(generate(tiny, max_tokens=20, **LAB))
-    ctl = use(tiny, adaptive=True, verify_cost=1.0)
-    assert tokens(generate(tiny, max_tokens=20, **LAB)) == want
-    assert ctl.stats.requests == {"speculative": 1, "speculation_off": 1} and ctl.stats.verify_steps == 0
+    want = tokens(generate(tiny, max_tokens=40, **LAB))
+    ctl = use(tiny, adaptive=True, verify_cost=1.0, probe_every=8)
+    assert tokens(generate(tiny, max_tokens=40, **LAB)) == want
+    s = ctl.stats
+    assert s.requests == {"speculative": 1} and s.plain_steps >= 30
+    assert s.verify_steps == s.probes == s.drafted and s.probes <= 5
 
 
 @pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
