@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -208,11 +209,10 @@ class MLXModel:
     def _run(self) -> None:
         """The MLX thread's loop: admit what arrived, step the batch, deliver, drop what finished or was cancelled."""
         batch = Batch(self) if self.kv_bits is None else None
-        spec = None  # the one generation on the speculative path (backends/decode/speculative/step.py), while it is alone
+        specs: list = []  # generations on the speculative path (backends/decode/speculative/step.py)
         try:
             while True:
-                arrivals = self._arrivals(block=(batch is None or not batch.jobs) and spec is None and not self._tasks)
-                jobs = sum(isinstance(j, Job) for j in arrivals)
+                arrivals = self._arrivals(block=(batch is None or not batch.jobs) and not specs and not self._tasks)
                 for job in arrivals:
                     if job is None:
                         return
@@ -221,59 +221,72 @@ class MLXModel:
                     elif batch is None:
                         self._run_alone(job)
                     else:
-                        spec = self._admit(batch, spec, job, alone=jobs == 1)
-                if spec is not None and not spec.step():  # alone, it stays on its path to its end, drafting or not
-                    spec = None
+                        specs = self._admit(batch, specs, job)
+                specs = [run for run in specs if run.step()]  # each stays on its path to its end unless joined
                 if batch is not None:
-                    batch.step()
-                    self.batch_size = len(batch.jobs) + (spec is not None)
-                    self.cache_bytes = batch.nbytes() + (spec.nbytes if spec is not None else 0)
+                    self._step_batch(batch, specs)
+                    self.batch_size = len(batch.jobs) + len(specs)
+                    self.cache_bytes = batch.nbytes() + sum(run.nbytes for run in specs)
                 self._advance_tasks()
         except Exception as e:  # the loop itself broke (not one request): nothing can be served any more
             log.exception("MLX loop for %s died", self.model_id)
             self.failure = f"the MLX loop for {self.model_id} died: {type(e).__name__}: {e}"
-            if spec is not None:
-                spec.fail(self.failure)
+            for run in specs:
+                run.fail(self.failure)
             if batch is not None:
                 batch.abandon(self.failure)
             for task in self._tasks:
                 task.settle(error=RuntimeError(self.failure))
             self._fail_queued()  # no request waits forever: /health now answers 503, the gateway fails over
 
-    def _admit(self, batch: Batch, spec, job: Job, alone: bool):
-        """A new job: on the speculative path when speculation is on and it would be the batch's only generation;
-        otherwise into the batch, and a speculative one running joins it there (the batch decodes both)."""
-        from backends.decode.speculative.step import SpecRun
+    def _step_batch(self, batch: Batch, specs: list) -> None:
+        """One batch step; while it runs alone at a steady size its wall time is that size's measured step (what
+        speculating per row is weighed against: SpecController.share)."""
+        n = len(batch.jobs)
+        t0 = time.perf_counter()
+        batch.step()
+        if n and not specs and len(batch.jobs) == n and self.speculation.enabled:
+            self.speculation.meter.add_batch(n, time.perf_counter() - t0)
 
+    def _admit(self, batch: Batch, specs: list, job: Job) -> list:
+        """A new job: on the speculative path when speculation is on and it would be the model's only generation, or
+        when the controller measures that speculating each row beats batching them (SpecController.share);
+        otherwise into the batch, and the speculative ones running join it there (the batch decodes them all)."""
         stats = self.speculation.stats
-        if spec is not None:
-            if spec.settle():  # its pending token read and emitted first
-                batch.adopt(spec)
-                stats.ran("joined_batch")
-            spec = None
-        if not self.speculation.enabled:
+        wants = self.speculation.enabled and job.gen.speculative
+        if specs and not (wants and not batch.jobs and self.speculation.share(len(specs) + 1)):
+            for run in specs:
+                if run.settle():  # its pending token read and emitted first
+                    batch.adopt(run)
+                    stats.ran("joined_batch")
+            specs = []
+        if not wants:
             batch.add(job)
-            return None
-        if not job.gen.speculative:  # the request asked for plain decoding (kv_bridge.protocol SPECULATIVE_HEADER)
-            batch.add(job)
-            stats.ran("request_off")
-            return None
-        if alone and not batch.jobs and not job.cancel.is_set():
-            try:
-                run = SpecRun(self, job)
-                started = run.start()
-            except Exception as e:  # the request's own failure (its KV, its sampling): an error line
-                Batch._refuse(job, e)
-                return None
-            if started:
-                stats.ran("speculative")
-                return run
-            batch.adopt(run)
-            stats.ran("untrimmable_cache")
-            return None
+            if self.speculation.enabled:  # the request asked for plain decoding (kv_bridge.protocol)
+                stats.ran("request_off")
+            return specs
+        if not batch.jobs and not job.cancel.is_set():  # alone, or beside others speculating (share said so)
+            return specs + self._start_spec(batch, job)
         batch.add(job)
         stats.ran("batch")
-        return None
+        return specs
+
+    def _start_spec(self, batch: Batch, job: Job) -> list:
+        """[the job's SpecRun], or [] when it went to the batch (an untrimmable cache) or failed to start."""
+        from backends.decode.speculative.step import SpecRun
+
+        try:
+            run = SpecRun(self, job)
+            started = run.start()
+        except Exception as e:  # the request's own failure (its KV, its sampling): an error line
+            Batch._refuse(job, e)
+            return []
+        if started:
+            self.speculation.stats.ran("speculative")
+            return [run]
+        batch.adopt(run)
+        self.speculation.stats.ran("untrimmable_cache")
+        return []
 
     def _advance_tasks(self) -> None:
         """One step of each task; a finished or failed one settles its future and leaves."""

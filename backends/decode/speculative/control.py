@@ -88,6 +88,7 @@ class SpecController:
         self._since_probe = cfg.probe_every
         self.trace: list[str] | None = None  # when a list: per step, "." plain, else the drafted count (bench)
         self.draft_seconds: dict[str, float] = {}  # per source: seconds per drafted token, a running mean
+        self._made = [0.0, 0.0]  # tokens and their cost in plain steps, discounted: the speedup speculation gets
 
     @property
     def enabled(self) -> bool:
@@ -207,7 +208,33 @@ class SpecController:
             arm[0], arm[1] = keep * arm[0] + a, keep * arm[1] + r
         return a, r
 
-    def verified(self, name: str, drafted: int, accepted: int, rejected: int) -> None:
+    @property
+    def realized(self) -> float:
+        """Tokens per plain step's time that the speculative path has been getting lately (1.0 before any step)."""
+        tokens, cost = self._made
+        return tokens / cost if cost else 1.0
+
+    def _made_step(self, tokens: int, cost: float) -> None:
+        keep = 1.0 - self.cfg.ewma_alpha
+        self._made = [keep * self._made[0] + tokens, keep * self._made[1] + cost]
+
+    def share(self, n: int) -> bool:
+        """Whether n generations of this model should each speculate on their own (one after another, each at the
+        speedup the path realizes) rather than share a plain batch step (n tokens per batch step). Measured: the
+        batch step of n against a plain step of 1 row; until both are, the prior batch_cost per extra generation."""
+        if n <= 1:
+            return True
+        enough = self.cfg.cost_samples
+        batch, one = self.meter.batch_seconds(n), self.meter.batch_seconds(1)
+        one_s = one[0] if one and one[1] >= enough else self.meter.plain_seconds(0)  # else the path's own 1-row step
+        if batch and batch[1] >= enough and one_s:
+            batch_gain = n * one_s / batch[0]
+        else:
+            batch_gain = n / (1.0 + (n - 1) * self.cfg.batch_cost)
+        return self.realized > batch_gain * (1.0 + self.cfg.min_gain)
+
+    def verified(self, name: str, drafted: int, accepted: int, rejected: int, depth: int = 0) -> None:
+        self._made_step(accepted + 1, self.meter.ratio(drafted, depth))
         s = self.stats
         s.verify_steps += 1
         s.drafted += drafted
@@ -219,6 +246,7 @@ class SpecController:
             self.trace.append(str(drafted))
 
     def plain(self) -> None:
+        self._made_step(1, 1.0)
         self.stats.plain_steps += 1
         self._since_probe += 1
         self.k = 0

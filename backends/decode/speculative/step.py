@@ -234,7 +234,7 @@ class SpecRun:
             self.fed -= extra
         self.ctl.meter.add(k + 1, before, time.perf_counter() - t0)
         self._tick = None
-        self.ctl.verified(prop.name, k, *self._score(props, self.seq[before:], src, k))
+        self.ctl.verified(prop.name, k, *self._score(props, self.seq[before:], src, k), depth=before)
         if finished:
             self._leave()
             return False

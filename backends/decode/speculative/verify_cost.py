@@ -35,6 +35,7 @@ class VerifyCost:
         self._samples: dict[tuple[int, int], deque] = {}
         self._median: dict[tuple[int, int], tuple[float, int]] = {}  # cached per key until its next sample
         self._lock = threading.Lock()  # /metrics copies while the MLX thread appends
+        self._batch: dict[int, deque] = {}  # batch size -> a batch step's seconds (the plain batch, nothing else)
 
     def add(self, rows: int, depth: int, seconds: float) -> None:
         if seconds <= 0 or rows < 1:
@@ -43,6 +44,16 @@ class VerifyCost:
         with self._lock:
             self._samples.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
             self._median.pop(key, None)
+
+    def add_batch(self, size: int, seconds: float) -> None:
+        with self._lock:
+            self._batch.setdefault(size, deque(maxlen=WINDOW)).append(seconds)
+
+    def batch_seconds(self, size: int) -> tuple[float, int] | None:
+        """(median seconds, samples) of a batch step of `size` generations, None without samples."""
+        with self._lock:
+            got = list(self._batch.get(size, ()))
+        return (statistics.median(got), len(got)) if got else None
 
     def seconds(self, rows: int, depth_index: int) -> tuple[float, int] | None:
         """(median seconds, samples) of (rows, depth bucket), None without samples."""

@@ -301,3 +301,19 @@ def test_site_verify_cost_from_what_a_verify_forward_reads():
     assert forward_cost(qwen, 0, 5, repeat=1.0) > forward_cost(qwen, 0, 2)  # independent routing: more experts
     assert decode_speedup(qwen, 25000, 0.0, 0.5) == (0, 1.0)  # nothing kept: never pays
     assert decode_speedup(qwen, 25000, 0.9, 0.8)[1] > decode_speedup(oss, 25000, 0.9, 0.8)[1] > 1.0
+
+
+def test_two_generations_speculate_per_row_only_where_it_beats_the_batch():
+    """share(2): at the prior (a batch of two costs 1.1 steps: 1.82x) speculation realizing ~1.65x loses; where the
+    node measured a batch step of two at 1.9 of one (1.05x), the same speculation wins."""
+    cfg = SpeculativeConfig(method="prompt_lookup", num_draft=3, verify_cost=0.1, cost_samples=4)
+    ctl, rng = SpecController(cfg), random.Random(7)
+    assert ctl.share(1) and not ctl.share(2)
+    _simulate(ctl, 0.6, 400, rng, limit=3, match_len=20)
+    assert 1.4 < ctl.realized < 1.85
+    assert not ctl.share(2)
+    for _ in range(4):
+        ctl.meter.add_batch(1, 0.10)
+        ctl.meter.add_batch(2, 0.19)
+    assert ctl.share(2)
+    assert not ctl.share(3)  # nothing measured for three: the prior (3 / 1.2 = 2.5x) wins
