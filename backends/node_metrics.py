@@ -134,6 +134,8 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
 
     drafted = family(CounterMetricFamily, "disagg_decode_spec_drafted_tokens", "Tokens drafted for verification")
     accepted = family(CounterMetricFamily, "disagg_decode_spec_accepted_tokens", "Drafted tokens the target kept")
+    rejections = family(CounterMetricFamily, "disagg_decode_spec_rejections", "Verify steps that ended on a refused "
+                        "drafted token: alpha = accepted / (accepted + rejections)")
     steps = family(CounterMetricFamily, "disagg_decode_spec_steps", "Decode steps of the speculative path: verify "
                    "(drafted tokens checked in one forward), plain (nothing drafted), probe (a verify while off)",
                    ("model", "kind"))
@@ -163,6 +165,7 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
         s = ctl.stats
         drafted.add_metric([mid], s.drafted)
         accepted.add_metric([mid], s.accepted)
+        rejections.add_metric([mid], s.rejected)
         steps.add_metric([mid, "verify"], s.verify_steps)
         steps.add_metric([mid, "plain"], s.plain_steps)
         steps.add_metric([mid, "probe"], s.probes)
@@ -180,5 +183,5 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
             n.add_metric([mid, str(rows), depth], samples)
         for kk, depth, c in ctl.meter.costs():
             cost.add_metric([mid, str(kk), depth], c)
-    yield from (drafted, accepted, steps, runs, k, rate, arm, by_src, secs, n, cost)
+    yield from (drafted, accepted, rejections, steps, runs, k, rate, arm, by_src, secs, n, cost)
 

@@ -100,8 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against a running site").add_subparsers(dest="action",
                                                                                            required=True)
     from backends.grading.command import add_parser as add_grading
+    from backends.grading.spec import add_parser as add_spec
 
     add_grading(bench, common)
+    add_spec(bench, common)
 
     gw = sub.add_parser("gateway", parents=[common], help="run the OpenAI-compatible gateway")
     gw.set_defaults(func=_cmd_gateway)

@@ -70,6 +70,25 @@ def test_quoting_answers_are_drafted_and_kept(spec_stack):
     assert metric(spec_stack, "disagg_decode_spec_accepted_tokens_total", model=MODEL_ID) > 0
 
 
+def test_bench_spec_switches_speculation_per_request(spec_stack, tmp_path):
+    """`disagg bench spec` against the stack (backends/grading/spec.py): each grading-like prompt decoded off and on
+    through the gateway; the off requests drafted nothing (x-disagg-speculative reached the node), greedy outputs
+    are equal, and the report carries alpha, k and the node's measured step seconds."""
+    import argparse
+
+    from backends.grading.spec import run
+    from kv_bridge.config.settings import load_config
+
+    args = argparse.Namespace(model=MODEL_ID, requests=2, scale=0.02, num_predict=24, sampled=False, seed=3,
+                              url=spec_stack.url("gateway"), api_key=None, timeout=300.0, json=tmp_path / "s.json")
+    res = run(load_config(spec_stack.config), args)
+    assert res["requests"] == 2 and res["equal_outputs"] == 2
+    assert all(r["off"]["drafted"] == 0 and r["off"]["verify"] == 0 for r in res["rows"])
+    assert all(r["on"]["verify"] + r["on"]["plain"] > 0 for r in res["rows"])  # on: the speculative path ran
+    assert res["decode_tokens_per_s"]["off"] > 0 and res["decode_tokens_per_s"]["on"] > 0
+    assert any("rows=1" in k for k in res["step_seconds"])  # the node timed its plain steps
+
+
 # ---- a reasoning model's parser: the scripted tiny gpt_oss (harmony channels), the decode node's grammar gated ----
 # to the final channel; the plain reference is the shared tiny-gpt_oss stack (tests/support/oss_fixtures.py)
 
