@@ -18,6 +18,7 @@ has no smaller sibling; it shows the mechanism and its counts, not what a traine
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import threading
 import time
@@ -80,30 +81,25 @@ def run(m: MLXModel, ids, kv, sampling: dict, max_tokens: int) -> dict:
         else:
             stamps.append(time.perf_counter())
             out.append(ev)
-    s0 = dict(vars(m.speculation.stats))
-    r0 = dict(s0.pop("requests"))
-    ks = []
-    record = m.speculation.record
-
-    def traced(drafted, accepted, rejected=None):
-        ks.append((drafted, accepted))
-        record(drafted, accepted, rejected)
-    m.speculation.record = traced
+    s0 = {k: v for k, v in vars(m.speculation.stats).items() if isinstance(v, int)}
+    r0 = dict(m.speculation.stats.requests)
+    m.speculation.trace = trace = []
     gen = Sampling.from_json({"max_tokens": max_tokens, **sampling})
     t0 = time.perf_counter()
-    m.submit(Job(tokens=ids[-1:], gen=gen, emit=emit, history=ids[:-1],
+    job = getattr(sys.modules[type(m).__module__], "Job", Job)  # the engine's own (bench_spec_control loads an old one)
+    m.submit(job(tokens=ids[-1:], gen=gen, emit=emit, history=ids[:-1],
                  make_cache=lambda: m.prompt_cache(None, _KV(*kv))))
     done.wait()
-    m.speculation.record = record
+    m.speculation.trace = None
     s = m.speculation.stats
     d = {k: getattr(s, k) - v for k, v in s0.items()}
-    handed = s.requests.get("speculation_off", 0) - r0.get("speculation_off", 0)
+    handed = sum(n - r0.get(why, 0) for why, n in s.requests.items() if why != "speculative")
     return dict(tokens=[e[1].token_id for e in out if e[0] == "token"], seconds=(stamps[-1] - t0) if stamps else 0,
-                ks=ks, handed=handed, stamps=[t - t0 for t in stamps], **d)
+                ks=[(t, 0) if isinstance(t, int) else t[1:] for t in trace], handed=handed, stamps=[t - t0 for t in stamps], **d)
 
 
 def use(m: MLXModel, **cfg) -> None:
-    m.speculation = SpecController(SpeculativeConfig(**cfg))
+    m.speculation = SpecController(SpeculativeConfig(**cfg))  # measures its verify cost afresh
 
 
 def section(m, prompts, kvs, label, max_tokens, num_draft, draft_ok):
@@ -136,8 +132,9 @@ def section(m, prompts, kvs, label, max_tokens, num_draft, draft_ok):
 
 
 def controller(m, prompts, kvs, label, max_tokens, num_draft, method, verify_cost, draft_cost=0.0):
-    """The adaptive controller at a given cost: tokens drafted per step ('.': none, the controller is off or the
-    n-gram lookup found no match; '|': the generation went to the batch, speculation off)."""
+    """The adaptive controller at a given prior cost (the node measures its own after cost_samples steps): tokens
+    drafted per step ('.': none, the controller is off or no source had a proposal; '|': the generation went to the
+    batch)."""
     use(m, method=method, draft_path="built", num_draft=num_draft, verify_cost=verify_cost, draft_cost=draft_cost,
         probe_every=8)
     trace = []
@@ -174,10 +171,10 @@ def machine_verify_cost(m: MLXModel, ids, kv, k: int, reps: int = 5) -> tuple[fl
 
 
 class _PlainOnly(SpecController):
-    """The speculative path with nothing drafted, and never handed to the batch: its plain steps, timed."""
+    """The speculative path with nothing drafted: its plain steps, timed."""
 
-    def draft_len(self) -> int:
-        return 0
+    def choose(self, proposals, depth, limit):
+        return None
 
 
 def plain_steps(m, prompts, kvs, max_tokens: int) -> None:

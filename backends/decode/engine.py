@@ -222,6 +222,8 @@ class MLXModel:
                         self._run_alone(job)
                     else:
                         specs = self._admit(batch, specs, job)
+                for run in specs:
+                    run.alone = len(specs) == 1 and not (batch and batch.jobs)
                 specs = [run for run in specs if run.step()]  # each stays on its path to its end unless joined
                 if batch is not None:
                     self._step_batch(batch, specs)
@@ -245,7 +247,7 @@ class MLXModel:
         n = len(batch.jobs)
         t0 = time.perf_counter()
         batch.step()
-        if n and not specs and len(batch.jobs) == n and self.speculation.enabled:
+        if n and not specs and len(batch.jobs) == n:
             self.speculation.meter.add_batch(n, time.perf_counter() - t0)
 
     def _admit(self, batch: Batch, specs: list, job: Job) -> list:

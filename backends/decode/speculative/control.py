@@ -86,7 +86,7 @@ class SpecController:
         self.k = 0  # the draft length of the last step (0: plain): /metrics
         self._last: tuple[str, int] | None = None  # the arm verified last (hysteresis)
         self._since_probe = cfg.probe_every
-        self.trace: list[str] | None = None  # when a list: per step, "." plain, else the drafted count (bench)
+        self.trace: list[tuple] | None = None  # when a list: per step (source or "", drafted, kept): bench/
         self.draft_seconds: dict[str, float] = {}  # per source: seconds per drafted token, a running mean
         self._made = [0.0, 0.0]  # tokens and their cost in plain steps, discounted: the speedup speculation gets
 
@@ -243,7 +243,7 @@ class SpecController:
         src = s.by_source.setdefault(name, [0, 0, 0])
         src[0], src[1], src[2] = src[0] + 1, src[1] + drafted, src[2] + accepted
         if self.trace is not None:
-            self.trace.append(str(drafted))
+            self.trace.append((name, drafted, accepted))
 
     def plain(self) -> None:
         self._made_step(1, 1.0)
@@ -251,4 +251,4 @@ class SpecController:
         self._since_probe += 1
         self.k = 0
         if self.trace is not None:
-            self.trace.append(".")
+            self.trace.append(("", 0, 0))

@@ -47,6 +47,7 @@ class SpecRun:
         self._chain = True  # whether the next plain step starts before the pending token is read
         self._shadow: list[tuple[object, Proposal]] = []  # free sources' drafts for the pending token, to score
         self._tick: float | None = None  # when the last chained plain token was read (a 1-row step's interval)
+        self.alone = True  # the engine's: False while others step between this one's steps (intervals not timed)
 
     def start(self) -> bool:
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
@@ -160,7 +161,7 @@ class SpecRun:
             self.ctl.plain()
         t = int(token.item())
         now = time.perf_counter()
-        if self._tick is not None:  # one pipelined 1-row step's interval
+        if self._tick is not None and self.alone:  # one pipelined 1-row step's interval
             self.ctl.meter.add(1, len(self.seq), now - self._tick)
         self._tick = now if chained else None
         if self._emit_plain(t, logprobs):
