@@ -82,18 +82,21 @@ class Batch:
         job.emit(("error", f"{type(e).__name__}: {e}"))
         job.emit(None)
 
-    def step(self) -> None:
+    def step(self) -> int:
+        """One BatchGenerator step; the tokens it delivered (one per generation on a decode step, none while it
+        prefills an arrival)."""
         self._drop([uid for uid, r in self.jobs.items() if r.job.cancel.is_set()])
         if not self.jobs:
-            return
+            return 0
         try:
             _, responses = self.gen.next()
         except Exception as e:  # a failed step leaves the batch unusable: fail its jobs, start a fresh one
             log.exception("batch step failed")
             self._fail_all(f"{type(e).__name__}: {e}")
-            return
+            return 0
         for r in responses:
             self._deliver(r)
+        return len(responses)
 
     def nbytes(self) -> int:
         return self.gen.prompt_cache_nbytes

@@ -246,8 +246,8 @@ class MLXModel:
         speculating per row is weighed against: SpecController.share)."""
         n = len(batch.jobs)
         t0 = time.perf_counter()
-        batch.step()
-        if n and not specs and len(batch.jobs) == n:
+        delivered = batch.step()
+        if n and not specs and delivered == n:  # a decode step of every generation (no arrival's prefill in it)
             self.speculation.meter.add_batch(n, time.perf_counter() - t0)
 
     def _admit(self, batch: Batch, specs: list, job: Job) -> list:

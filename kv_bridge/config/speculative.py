@@ -37,10 +37,6 @@ class SpeculativeConfig(BaseModel):
         "of a plain decode step, until the node has measured its own (cost_samples steps of each size at the "
         "context depth; exported as disagg_decode_spec_verify_cost). Drafting pays while expected tokens per step / "
         "(1 + k * verify_cost) > 1 + min_gain")
-    batch_cost: float = Field(default=0.1, ge=0.0, description="the prior only: a plain batch step's cost per extra "
-                              "generation, as a fraction of one generation's step, until the node has timed its batch "
-                              "(a Mac's memory-bound decode: ~0.1). Two generations of a model speculate each on its "
-                              "own only while that beats batching them (docs/speculative.md)")
     cost_samples: int = Field(default=8, ge=1, le=64, description="timed steps of 1 row and of k + 1 rows (per "
                               "context-depth bucket) before the measured verify cost replaces verify_cost")
     draft_cost: float = Field(default=0.0, ge=0.0, description="draft: one draft-model token as a fraction of a "

@@ -220,18 +220,17 @@ class SpecController:
 
     def share(self, n: int) -> bool:
         """Whether n generations of this model should each speculate on their own (one after another, each at the
-        speedup the path realizes) rather than share a plain batch step (n tokens per batch step). Measured: the
-        batch step of n against a plain step of 1 row; until both are, the prior batch_cost per extra generation."""
+        speedup the path realizes) rather than share a plain batch step (n tokens per batch step). Only on measured
+        costs: a batch step of n (timed while the batch ran alone) against a 1-row step; unmeasured, the batch (which
+        then measures itself)."""
         if n <= 1:
             return True
         enough = self.cfg.cost_samples
         batch, one = self.meter.batch_seconds(n), self.meter.batch_seconds(1)
         one_s = one[0] if one and one[1] >= enough else self.meter.plain_seconds(0)  # else the path's own 1-row step
-        if batch and batch[1] >= enough and one_s:
-            batch_gain = n * one_s / batch[0]
-        else:
-            batch_gain = n / (1.0 + (n - 1) * self.cfg.batch_cost)
-        return self.realized > batch_gain * (1.0 + self.cfg.min_gain)
+        if not (batch and batch[1] >= enough and one_s):
+            return False
+        return self.realized > n * one_s / batch[0] * (1.0 + self.cfg.min_gain)
 
     def verified(self, name: str, drafted: int, accepted: int, rejected: int, depth: int = 0) -> None:
         self._made_step(accepted + 1, self.meter.ratio(drafted, depth))

@@ -304,8 +304,8 @@ def test_site_verify_cost_from_what_a_verify_forward_reads():
 
 
 def test_two_generations_speculate_per_row_only_where_it_beats_the_batch():
-    """share(2): at the prior (a batch of two costs 1.1 steps: 1.82x) speculation realizing ~1.65x loses; where the
-    node measured a batch step of two at 1.9 of one (1.05x), the same speculation wins."""
+    """share(2): unmeasured, the batch (which then times itself); a batch step of two measured at 1.05 of one (1.9x
+    for two) beats speculation realizing ~1.65x; measured at 1.9 of one (1.05x), the same speculation wins."""
     cfg = SpeculativeConfig(method="prompt_lookup", num_draft=3, verify_cost=0.1, cost_samples=4)
     ctl, rng = SpecController(cfg), random.Random(7)
     assert ctl.share(1) and not ctl.share(2)
@@ -314,6 +314,9 @@ def test_two_generations_speculate_per_row_only_where_it_beats_the_batch():
     assert not ctl.share(2)
     for _ in range(4):
         ctl.meter.add_batch(1, 0.10)
+        ctl.meter.add_batch(2, 0.105)
+    assert not ctl.share(2)
+    for _ in range(8):
         ctl.meter.add_batch(2, 0.19)
     assert ctl.share(2)
-    assert not ctl.share(3)  # nothing measured for three: the prior (3 / 1.2 = 2.5x) wins
+    assert not ctl.share(3)  # nothing measured for three: the batch
