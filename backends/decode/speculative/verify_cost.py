@@ -12,6 +12,7 @@ from collections import deque
 DEPTHS = (2048, 8192, 16384)  # context-depth bucket edges (tokens): the KV a verify re-reads grows with depth
 DEPTH_NAMES = ("0-2k", "2k-8k", "8k-16k", "16k+")
 WINDOW = 64  # samples kept per (rows, depth): a median over the recent ones, robust to a stalled step
+MAX_ROWS = 17  # verify steps of up to 16 drafted tokens (SpeculativeConfig.num_draft's bound)
 
 
 def depth_bucket(depth: int) -> int:
@@ -24,10 +25,10 @@ def depth_bucket(depth: int) -> int:
 class VerifyCost:
     """Step seconds by (query rows, depth bucket). The MLX thread adds samples; /metrics reads a snapshot.
 
-    `ratio(k, depth)`: a verify step over k drafted tokens (k + 1 rows) in plain steps: the median of the (k + 1)-row
-    samples over the median of the 1-row ones at that depth (or the nearest depth holding both), once each has
-    `min_samples`; until then the prior 1 + k * prior_cost. Never below 1: more rows cannot honestly cost less, a
-    ratio under 1 is noise. A plain step's sample is a pipelined step's (one token's interval while the next forward
+    `ratio(k, depth)`: a verify step over k drafted tokens (k + 1 rows) in plain steps, 1 + c * k with c fitted to
+    the medians of each k' + 1-row size over the 1-row median at that depth (or the nearest depth holding both),
+    once each has `min_samples`; until then the prior 1 + k * prior_cost. c >= 0: more rows cannot honestly cost
+    less, a ratio under 1 is noise. A plain step's sample is a pipelined step's (one token's interval while the next forward
     is already built), a verify step's its whole wall time (forward, accept, trim): what each costs the generation."""
 
     def __init__(self, prior_cost: float, min_samples: int = 8) -> None:
@@ -66,14 +67,21 @@ class VerifyCost:
         return cached
 
     def measured(self, k: int, depth: int) -> float | None:
-        """The measured ratio t(k + 1 rows) / t(1 row) at this depth (nearest depth with enough of both), or None."""
+        """The measured ratio of a verify step over k drafted tokens to a plain step, or None: 1 + c * k, c the
+        per-drafted-token cost fitted over every k measured at the nearest depth that has `min_samples` 1-row steps
+        and `min_samples` of some k + 1 (weighted by samples: one noisy k does not make k + 1 look cheaper)."""
         if not self._samples:
             return None
         want = depth_bucket(depth)
         for d in sorted(range(len(DEPTHS) + 1), key=lambda i: abs(i - want)):
-            one, many = self.seconds(1, d), self.seconds(k + 1, d)
-            if one and many and min(one[1], many[1]) >= self.min_samples:
-                return max(1.0, many[0] / one[0])
+            one = self.seconds(1, d)
+            if not one or one[1] < self.min_samples:
+                continue
+            fit = [(rows - 1, got) for rows in range(2, MAX_ROWS + 1)
+                   if (got := self.seconds(rows, d)) and got[1] >= self.min_samples]
+            if fit:
+                c = sum(n * max(0.0, t / one[0] - 1.0) for _, (t, n) in fit) / sum(n * j for j, (_, n) in fit)
+                return 1.0 + c * k
         return None
 
     def plain_seconds(self, depth: int) -> float | None:
