@@ -190,7 +190,9 @@ class SpecController:
         props = [p for p in proposals if p.tokens]
         if not props or limit < 1:
             return False
-        if not self.cfg.adaptive or self._since_probe >= self.cfg.probe_every:
+        if not self.cfg.adaptive:
+            return True
+        if self._since_probe >= self.cfg.probe_every and self.probe_len(depth) > 0:
             return True
         return any(self._pays(p, self.best(p, depth, limit)[1]) for p in props)
 

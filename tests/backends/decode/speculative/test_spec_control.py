@@ -191,6 +191,8 @@ def test_probes_draft_the_smallest_k_that_pays_and_count():
         never.meter.add(1, 1000, 1.0)
         never.meter.add(2, 1000, 2.0)
     assert never.probe_len(1000) == 0  # measured: a drafted token costs a whole step, never probe
+    never._since_probe = 10 ** 6
+    assert not never.would_verify([Proposal("s", [1], 2)], 1000, 4)  # so plain steps stay pipelined
     p = Proposal("s", [1, 2, 3, 4], 2)
     for _ in range(30):
         if ctl.choose([p], 1000, 4):
