@@ -176,6 +176,9 @@ class _PlainOnly(SpecController):
     def choose(self, proposals, depth, limit):
         return None
 
+    def would_verify(self, proposals, depth, limit):
+        return False
+
 
 def plain_steps(m, prompts, kvs, max_tokens: int) -> None:
     """Wall-clock per token after the first, the speculative path's plain steps against the batch's, same run,
