@@ -35,6 +35,7 @@ class VerifyCost:
         self.prior_cost, self.min_samples = prior_cost, min_samples
         self._samples: dict[tuple[int, int], deque] = {}
         self._median: dict[tuple[int, int], tuple[float, int]] = {}  # cached per key until its next sample
+        self._fits: dict[int, float | None] = {}  # depth bucket asked -> c, until the next sample (MLX thread)
         self._lock = threading.Lock()  # /metrics copies while the MLX thread appends
         self._batch: dict[int, deque] = {}  # batch size -> a batch step's seconds (the plain batch, nothing else)
 
@@ -45,6 +46,7 @@ class VerifyCost:
         with self._lock:
             self._samples.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
             self._median.pop(key, None)
+            self._fits.clear()
 
     def add_batch(self, size: int, seconds: float) -> None:
         with self._lock:
@@ -73,6 +75,12 @@ class VerifyCost:
         if not self._samples:
             return None
         want = depth_bucket(depth)
+        if want not in self._fits:  # asked several times a step: fitted once per new sample
+            self._fits[want] = self._fit(want)
+        c = self._fits[want]
+        return None if c is None else 1.0 + c * k
+
+    def _fit(self, want: int) -> float | None:
         for d in sorted(range(len(DEPTHS) + 1), key=lambda i: abs(i - want)):
             one = self.seconds(1, d)
             if not one or one[1] < self.min_samples:
@@ -80,8 +88,7 @@ class VerifyCost:
             fit = [(rows - 1, got) for rows in range(2, MAX_ROWS + 1)
                    if (got := self.seconds(rows, d)) and got[1] >= self.min_samples]
             if fit:
-                c = sum(n * max(0.0, t / one[0] - 1.0) for _, (t, n) in fit) / sum(n * j for j, (_, n) in fit)
-                return 1.0 + c * k
+                return sum(n * max(0.0, t / one[0] - 1.0) for _, (t, n) in fit) / sum(n * j for j, (_, n) in fit)
         return None
 
     def plain_seconds(self, depth: int) -> float | None:
