@@ -1,0 +1,96 @@
+"""Speculative decoding in the class prediction (`disagg bench grading --predict`), per lane: each site model's verify
+cost from gain.py's fit to its published Mac decode rates, its acceptance and match rate from the replayed class's
+answers of its call (JSON analysis, prose feedback), and every assumption with its source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.decode.speculative.gain import SHAPES, StepFit, decode_speedup, fit_published, verify_cost
+
+MAX_K = 3  # MLX's fused decode attention holds while query rows x GQA (8 on both site models) <= 32: k <= 3
+DEPTHS = (0, 6000, 12000, 18000, 25000, 32768)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """A drafting source on one call's answers: drafted tokens kept until the first refusal (alpha), the share of
+    steps that find a draft (match), drafting's own seconds per step (on this machine's CPU: a Mac's is faster)."""
+
+    source: str
+    alpha: float
+    match: float
+    draft_s: float
+
+
+# bench/bench_class_drafts.py (20 submissions, prompts 2.4-6.3k tokens, greedy SmolLM2-135M answers of up to 200
+# tokens, k = 3), 2026-11-28 on this 2-core box (AVX2, no avx512_bf16), the source with the most tokens per forward
+# per call. An assumption for the lab's 30B+ models: their answers quote the same notebooks in the same shapes.
+CLASS_REPLAY = {
+    "analysis": Acceptance("suffix over prompt + class answers", 0.75, 0.47, 0.0003),
+    "feedback": Acceptance("suffix over prompt + class answers", 0.75, 0.47, 0.0003),
+}
+ROLES = ("analysis", "feedback")  # the app's calls in order: the first model analyses, the second gives feedback
+
+
+def fits(published: dict) -> dict[str, StepFit]:
+    return {family: fit_published(SHAPES[family], r["decode"]) for family, r in published.items()
+            if family in SHAPES}
+
+
+def speedup_points(family: str, role: str, published: dict) -> tuple[tuple[int, float], ...]:
+    """Decode speedup by context depth for a generation of `role` alone in its model's batch, at k <= MAX_K."""
+    fit = fits(published)[family]
+    acc = CLASS_REPLAY[role]
+    step = 1.0 / published[family]["decode"][0][1]
+    return tuple((d, decode_speedup(SHAPES[family], d, acc.alpha, acc.match, MAX_K, fit=fit,
+                                    draft_cost=acc.draft_s / step)[1]) for d in DEPTHS)
+
+
+def assumptions(published: dict, families: dict[str, str], roles: dict[str, str]) -> list[str]:
+    """Every figure the speculative prediction rests on, with where it comes from."""
+    out = []
+    for model, family in families.items():
+        if family not in SHAPES:
+            continue
+        fit = fits(published)[family]
+        acc = CLASS_REPLAY[roles.get(model, "analysis")]
+        costs = ", ".join(f"{d // 1000}k {verify_cost(SHAPES[family], d, MAX_K, fit=fit):.2f}" for d in (6000, 25000))
+        out.append(f"{model} ({family}, {roles.get(model)} lane): a forward = {1e3 * fit.overhead_s:.1f} ms overhead + "
+                   f"bytes at {fit.bytes_per_s / 1e9:.0f} GB/s, fitted to its published M3 Ultra decode rates "
+                   f"{published[family]['decode']} (docs/deploy.md section 9); verify_cost at k = {MAX_K}: {costs}")
+        out.append(f"{model}: {acc.source}, alpha {acc.alpha:.2f}, draft on {acc.match:.0%} of steps, "
+                   f"{1e3 * acc.draft_s:.2f} ms drafting a step (bench/bench_class_drafts.py, SmolLM2-135M's "
+                   f"{roles.get(model)} answers on this machine)")
+    out += [f"k <= {MAX_K}: MLX's fused decode attention needs query rows x GQA factor (8) <= 32",
+            "bytes: 4-bit weights with group scales, bf16 KV read once per forward, experts the union of the tokens' "
+            "(independent routing, an upper bound): gain.py SHAPES from each model's config.json",
+            "a generation speculates only while it is its model's only one on its Mac (docs/speculative.md)",
+            "every answer runs to its num_predict (docs/deploy.md section 9)"]
+    return out
+
+
+def lanes(plain: list, spec: list, roles: dict[str, str]) -> dict[str, dict]:
+    """Per model (a lane of the app's): when its last answer ends and its decode request-seconds, without and with
+    speculation (outcomes of backends/grading/predict.simulate)."""
+    out = {}
+    for model, role in roles.items():
+        row = {"role": role}
+        for name, outcomes in (("split", plain), ("speculative", spec)):
+            mine = [o for o in outcomes if o.model == model]
+            row[name] = {"end_s": round(max((o.end for o in mine), default=0.0), 1),
+                         "decode_s": round(sum(o.terms.get("decode", 0.0) for o in mine), 1)}
+        row["gain"] = round(row["split"]["end_s"] / max(row["speculative"]["end_s"], 1e-9), 2)
+        out[model] = row
+    return out
+
+
+def print_lanes(p: dict) -> None:
+    print("  per lane (the app's two models side by side; the class takes as long as the slower):")
+    for model, row in p["lanes"].items():
+        a, b = row["split"], row["speculative"]
+        print(f"    {model} ({row['role']}): {a['end_s'] / 60:.1f} min -> {b['end_s'] / 60:.1f} min with speculative "
+              f"decoding ({row['gain']:.2f}x); decode request-s {a['decode_s']:.0f} -> {b['decode_s']:.0f}")
+    print("  assumptions:")
+    for line in p["assumptions"]:
+        print(f"    - {line}")
