@@ -29,7 +29,8 @@ SOURCES = ("prompt_lookup", "suffix_prompt", "suffix_class", "both")
 
 
 class Both:
-    """Suffix decoding (prompt and class) where it drafts, else prompt lookup."""
+    """Of suffix decoding's draft (prompt and class) and prompt lookup's, the one matched on the longer context (a
+    stand-in for the node's controller, which chooses by each source's measured acceptance at that match length)."""
 
     def __init__(self, seq: list[int], store: SuffixStore) -> None:
         self.suffix, self.lookup = SuffixDrafter(seq, store), PromptLookup(seq, 2, 4)
@@ -38,7 +39,13 @@ class Both:
     def draft(self, k: int) -> list[int]:
         d = self.suffix.draft(k)
         self.match_len = self.suffix.match_len
-        return d or self.lookup.draft(k)
+        other = self.lookup.draft(k)  # indexes the text so far; then: the n-gram it matched on
+        seq = self.lookup.seq
+        n = next((n for n in self.lookup.sizes if len(seq) >= n and tuple(seq[-n:]) in self.lookup.index[n]), 0)
+        if other and n > self.match_len:
+            self.match_len = n
+            return other
+        return d or other
 
     def prefill_step(self) -> bool:
         return self.suffix.prefill_step()
@@ -127,12 +134,23 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=str(MODEL_DIR))
     ap.add_argument("--cache-dir", type=Path, default=CACHE)
     ap.add_argument("--smoke", action="store_true", help="two submissions of ~600 tokens, 12-token answers")
+    ap.add_argument("--answers", type=Path, help="replay these answers instead (bench/bench_class_spec.py "
+                    "--save-answers: the stack's own greedy answers to the same class)")
     ap.add_argument("--cached", action="store_true", help="generate nothing: measure the submissions whose answers "
                     "are cached (another run may still be generating the rest)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.submissions, args.answer_tokens = 2, 12
     from transformers import AutoTokenizer
+
+    if args.answers:
+        import json
+
+        data = json.loads(args.answers.read_text())
+        print(f"answers from {args.answers}: {len({r['submission'] for r in data})} submissions, prompts "
+              f"{min(len(r['prompt']) for r in data)}-{max(len(r['prompt']) for r in data)} tokens")
+        report(measure(data, args.k), args.k)
+        return 0
 
     tok = AutoTokenizer.from_pretrained(args.model)
     sizes = (500, 700) if args.smoke else spec_class.PROMPT_TOKENS

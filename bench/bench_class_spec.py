@@ -48,7 +48,7 @@ def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: s
 
 def _generate(url: str, c: spec_class.ClassCall, num_predict: int) -> dict:
     body = {"model": MODEL_ID, "prompt": c.prompt, "stream": False,
-            "options": {"temperature": 0, "num_predict": num_predict}}
+            "options": {"temperature": 0, "num_predict": num_predict}}  # not raw: the answer carries `context`
     if c.json_format:
         body["format"] = "json"
     req = urllib.request.Request(url + "/api/generate", json.dumps(body).encode(),
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-draft", type=int, default=3, help="most drafted tokens per step (3: MLX's fused attention)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="one submission of ~300 tokens, 8-token answers")
+    ap.add_argument("--save-answers", type=Path, help="write plain decoding's answers (prompt and answer token ids, "
+                    "from Ollama's `context`) here: bench/bench_class_drafts.py --answers replays them offline")
     args = ap.parse_args(argv)
     sizes = spec_class.PROMPT_TOKENS
     if args.smoke:
@@ -140,6 +142,12 @@ def main(argv=None) -> int:
                 print(f"  {method}: {makespan:.0f} s, decode {decode_rate(rows):.1f} tokens/s, paths "
                       f"{sorted({r['path'] for r in rows})}", flush=True)
     report(passes, calls)
+    if args.save_answers:
+        rows = [{"submission": c.submission, "role": c.role, "prompt": r["context"][:r["prompt_eval_count"]],
+                 "answer": r["context"][r["prompt_eval_count"]:]} for c, r in zip(calls, passes["off"][0])]
+        args.save_answers.parent.mkdir(parents=True, exist_ok=True)
+        args.save_answers.write_text(json.dumps(rows))
+        print(f"plain decoding's answers: {args.save_answers}")
     return 0
 
 

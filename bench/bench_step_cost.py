@@ -5,13 +5,12 @@ the fit to their published Mac decode rates (gain.py `fit_published`: per-forwar
 Run from the repository root:  .venv/bin/python -m bench.bench_step_cost [--depths 256,1024,2048] [--smoke]
 
 The context is random KV of the model's shape (attention costs the same whatever the values); each forward is
-trimmed off again, and sizes are interleaved and repeated, the median kept, so a busy machine skews them alike.
+trimmed off again, and sizes are interleaved and repeated, the fastest of each kept (the least disturbed on a busy machine).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ def _cache(model, depth: int):
 
 
 def measure(model, depths: list[int], rows: list[int], reps: int) -> list[tuple[int, int, float]]:
-    """(rows, depth, median seconds) of each forward size."""
+    """(rows, depth, fastest seconds) of each forward size: the least disturbed by other work on the machine."""
     import mlx.core as mx
 
     times: dict[tuple[int, int], list[float]] = {}
@@ -52,7 +51,7 @@ def measure(model, depths: list[int], rows: list[int], reps: int) -> list[tuple[
                 times.setdefault((n, d), []).append(time.perf_counter() - t0)
                 for c in caches[d]:
                     c.trim(n)
-    return [(n, d, statistics.median(v)) for (n, d), v in sorted(times.items())]
+    return [(n, d, min(v)) for (n, d), v in sorted(times.items())]
 
 
 def main(argv=None) -> int:
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
     rows = list(range(1, args.max_k + 2))
     samples = measure(model, depths, rows, args.reps)
     a, b, c, d = fit_steps(samples)
-    print(f"this machine, SmolLM2-135M float32, {args.reps} repetitions (median): forward ms by rows")
+    print(f"this machine, SmolLM2-135M float32, {args.reps} repetitions (fastest): forward ms by rows")
     print(f"{'depth':>6} " + " ".join(f"{n:>3} row{'s' if n > 1 else ' '}" for n in rows)
           + "  verify_cost k=1..%d (measured / fitted)" % args.max_k)
     by = {(n, dd): t for n, dd, t in samples}
