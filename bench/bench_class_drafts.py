@@ -39,9 +39,11 @@ class Both:
     def draft(self, k: int) -> list[int]:
         d = self.suffix.draft(k)
         self.match_len = self.suffix.match_len
-        other = self.lookup.draft(k)  # indexes the text so far; then: the n-gram it matched on
-        seq = self.lookup.seq
-        n = next((n for n in self.lookup.sizes if len(seq) >= n and tuple(seq[-n:]) in self.lookup.index[n]), 0)
+        other = self.lookup.draft(k)
+        n = getattr(self.lookup, "match_len", None)  # the drafting-source interface; else the n-gram it matched on
+        if n is None:
+            seq = self.lookup.seq
+            n = next((n for n in self.lookup.sizes if len(seq) >= n and tuple(seq[-n:]) in self.lookup.index[n]), 0)
         if other and n > self.match_len:
             self.match_len = n
             return other
@@ -113,14 +115,15 @@ def measure(data: list[dict], k: int) -> dict[str, dict]:
 def report(out: dict[str, dict], k: int) -> None:
     print(f"\nper source at k = {k} (kept / verify step: drafted tokens the target kept per verify step; match: verify "
           "steps / all steps; alpha: kept / (kept + rejections); tokens / forward: the decode's own speed-up bound)")
-    print(f"{'source':>14} {'call':>9} {'tokens':>7} {'match':>6} {'kept/verify':>11} {'alpha':>6} "
+    print(f"{'source':>14} {'call':>9} {'tokens':>7} {'match':>6} {'drafted/verify':>14} {'kept/verify':>11} {'alpha':>6} "
           f"{'tokens/fwd':>10} {'us/draft':>9} {'us/prompt token':>15}")
     for source, by_role in out.items():
         for role, s in by_role.items():
             match = s["verify"] / max(s["forwards"], 1)
             per = s["kept"] / max(s["verify"], 1)
             alpha = s["kept"] / max(s["kept"] + s["rejections"], 1)
-            print(f"{source:>14} {role:>9} {s['tokens']:>7} {match:>6.2f} {per:>11.2f} {alpha:>6.2f} "
+            drafted = s["drafted"] / max(s["verify"], 1)
+            print(f"{source:>14} {role:>9} {s['tokens']:>7} {match:>6.2f} {drafted:>14.2f} {per:>11.2f} {alpha:>6.2f} "
                   f"{s['tokens'] / max(s['forwards'], 1):>10.2f} {1e6 * s['draft_s'] / max(s['forwards'], 1):>9.0f} "
                   f"{1e6 * s['index_s'] / max(s['prompt'], 1):>15.1f}")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backends.decode.speculative.gain import SHAPES, StepFit, decode_speedup, fit_published, verify_cost
+from backends.decode.speculative.gain import SHAPES, StepFit, fit_published, forward_cost, verify_cost
 
 MAX_K = 3  # MLX's fused decode attention holds while query rows x GQA (8 on both site models) <= 32: k <= 3
 DEPTHS = (0, 6000, 12000, 18000, 25000, 32768)
@@ -14,21 +14,34 @@ DEPTHS = (0, 6000, 12000, 18000, 25000, 32768)
 
 @dataclass(frozen=True)
 class Acceptance:
-    """A drafting source on one call's answers: drafted tokens kept until the first refusal (alpha), the share of
-    steps that find a draft (match), drafting's own seconds per step (on this machine's CPU: a Mac's is faster)."""
+    """A drafting source replayed on one call's answers: the share of steps that find a draft (match), drafted and
+    kept tokens per verify step, alpha (kept / (kept + refusals): for the record, the speedup uses the counts), and
+    drafting's own seconds per step (on this machine's CPU: a Mac's is faster)."""
 
     source: str
-    alpha: float
     match: float
+    drafted: float
+    kept: float
+    alpha: float
     draft_s: float
+
+    def speedup(self, shape, context: int, fit: StepFit, step_s: float) -> float:
+        """Decode speedup: tokens per step over a step's cost, verify forwards at the mean draft length."""
+        lo = min(MAX_K, int(self.drafted))
+        frac = self.drafted - lo
+        verify = (1 - frac) * forward_cost(shape, context, lo + 1, fit=fit) + frac * forward_cost(
+            shape, context, min(MAX_K, lo + 1) + 1, fit=fit)
+        tokens = self.match * (1 + self.kept) + (1 - self.match)
+        cost = self.match * verify + (1 - self.match) + self.draft_s / step_s
+        return max(1.0, tokens / cost)  # the controller turns drafting off where it does not pay
 
 
 # bench/bench_class_drafts.py (20 submissions, prompts 2.4-6.3k tokens, greedy SmolLM2-135M answers of up to 200
 # tokens, k = 3), 2026-11-28 on this 2-core box (AVX2, no avx512_bf16), the source with the most tokens per forward
 # per call. An assumption for the lab's 30B+ models: their answers quote the same notebooks in the same shapes.
 CLASS_REPLAY = {
-    "analysis": Acceptance("suffix over prompt + class answers", 0.75, 0.47, 0.0003),
-    "feedback": Acceptance("suffix over prompt + class answers", 0.75, 0.47, 0.0003),
+    "analysis": Acceptance("suffix decoding over the prompt and the class's answers", 0.95, 2.0, 1.30, 0.71, 0.0003),
+    "feedback": Acceptance("suffix decoding over the prompt and the class's answers", 0.87, 2.0, 1.53, 0.76, 0.0003),
 }
 ROLES = ("analysis", "feedback")  # the app's calls in order: the first model analyses, the second gives feedback
 
@@ -41,10 +54,8 @@ def fits(published: dict) -> dict[str, StepFit]:
 def speedup_points(family: str, role: str, published: dict) -> tuple[tuple[int, float], ...]:
     """Decode speedup by context depth for a generation of `role` alone in its model's batch, at k <= MAX_K."""
     fit = fits(published)[family]
-    acc = CLASS_REPLAY[role]
     step = 1.0 / published[family]["decode"][0][1]
-    return tuple((d, decode_speedup(SHAPES[family], d, acc.alpha, acc.match, MAX_K, fit=fit,
-                                    draft_cost=acc.draft_s / step)[1]) for d in DEPTHS)
+    return tuple((d, CLASS_REPLAY[role].speedup(SHAPES[family], d, fit, step)) for d in DEPTHS)
 
 
 def assumptions(published: dict, families: dict[str, str], roles: dict[str, str]) -> list[str]:
@@ -59,9 +70,9 @@ def assumptions(published: dict, families: dict[str, str], roles: dict[str, str]
         out.append(f"{model} ({family}, {roles.get(model)} lane): a forward = {1e3 * fit.overhead_s:.1f} ms overhead + "
                    f"bytes at {fit.bytes_per_s / 1e9:.0f} GB/s, fitted to its published M3 Ultra decode rates "
                    f"{published[family]['decode']} (docs/deploy.md section 9); verify_cost at k = {MAX_K}: {costs}")
-        out.append(f"{model}: {acc.source}, alpha {acc.alpha:.2f}, draft on {acc.match:.0%} of steps, "
-                   f"{1e3 * acc.draft_s:.2f} ms drafting a step (bench/bench_class_drafts.py, SmolLM2-135M's "
-                   f"{roles.get(model)} answers on this machine)")
+        out.append(f"{model}: {acc.source}: a draft on {acc.match:.0%} of steps, {acc.drafted:.2f} drafted and "
+                   f"{acc.kept:.2f} kept per verify step (alpha {acc.alpha:.2f}), {1e3 * acc.draft_s:.2f} ms drafting "
+                   f"a step (bench/bench_class_drafts.py: SmolLM2-135M's {roles.get(model)} answers, this machine)")
     out += [f"k <= {MAX_K}: MLX's fused decode attention needs query rows x GQA factor (8) <= 32",
             "bytes: 4-bit weights with group scales, bf16 KV read once per forward, experts the union of the tokens' "
             "(independent routing, an upper bound): gain.py SHAPES from each model's config.json",
