@@ -37,6 +37,7 @@ def _spec_toml(method: str, num_draft: int) -> str:
 
 
 def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "") -> Stack:
+    folder.mkdir(parents=True, exist_ok=True)
     s = Stack(folder, node_secret=SECRET, fidelity=False, min_disagg_tokens=8, kv_timeout_s=600.0,
               prefill_port=prefill_port)
     s.config.write_text(s.config.read_text().replace("max_model_len = 4096", f"max_model_len = {max_len}") + extra)
