@@ -36,13 +36,13 @@ class Acceptance:
         return max(1.0, tokens / cost)  # the controller turns drafting off where it does not pay
 
 
-# bench/bench_class_drafts.py --cached (the first 15 submissions of its class of 20: prompts 2.4-6.3k tokens, greedy
+# bench/bench_class_drafts.py (its class of 20 submissions: prompts 2.4-6.3k tokens, greedy
 # SmolLM2-135M answers of up to 200 tokens, k = 3), 2026-11-28 on this 2-core AMD EPYC (avx512_bf16): suffix decoding
 # over the prompt and the class's earlier answers of the same call. An assumption for the lab's 30B+ models: that
 # their answers quote the same notebooks and repeat the same shapes as often as SmolLM2-135M's do.
 CLASS_REPLAY = {
-    "analysis": Acceptance("suffix decoding over the prompt and the class's answers", 0.93, 2.28, 1.53, 0.76, 1.5e-4),
-    "feedback": Acceptance("suffix decoding over the prompt and the class's answers", 0.92, 2.37, 1.60, 0.77, 1.1e-4),
+    "analysis": Acceptance("suffix decoding over the prompt and the class's answers", 0.95, 2.28, 1.56, 0.77, 5e-5),
+    "feedback": Acceptance("suffix decoding over the prompt and the class's answers", 0.92, 2.36, 1.54, 0.76, 5e-5),
 }
 ROLES = ("analysis", "feedback")  # the app's calls in order: the first model analyses, the second gives feedback
 
