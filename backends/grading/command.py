@@ -18,6 +18,7 @@ from backends.grading import replay as grading
 from backends.grading import cpu as grading_cpu
 from backends.grading import predict as gp
 from backends.grading import rates as grading_rates
+from backends.grading import spec_predict
 from backends.grading import timeout as grading_timeout
 from backends.site.second_gateway import SecondGateway
 
@@ -88,10 +89,16 @@ def predict(settings: Settings, base: Path, args) -> dict:
         out[mode] = gp.summary(outcomes)
         out[mode]["latency"] = grading_timeout.predicted(outcomes, getattr(args, "app_timeout", grading.CLIENT_TIMEOUT_S))
     out["ratio"] = round(out["mac-alone"]["makespan_s"] / max(out["split"]["makespan_s"], 1e-9), 2)
-    spec = grading_rates.published_site(settings, base, speculative=True)  # docs/speculative.md: the modelled gain
+    roles = dict(zip(_models(settings, args), spec_predict.ROLES))
+    spec = grading_rates.published_site(settings, base, speculative=True, roles=roles)  # docs/speculative.md
     spec.batch_cost = site.batch_cost
-    out["split+speculative"] = gp.summary(gp.simulate(spec, _calls_for_sim(calls), "split"))
+    plain, fast = gp.simulate(site, _calls_for_sim(calls), "split"), gp.simulate(spec, _calls_for_sim(calls), "split")
+    out["split+speculative"] = gp.summary(fast)
     out["speculative_gain"] = round(out["split"]["makespan_s"] / max(out["split+speculative"]["makespan_s"], 1e-9), 2)
+    out["lanes"] = spec_predict.lanes(plain, fast, roles)
+    families = {r.id: (grading_rates._geometry(settings, base).get(r.id) or {}).get("model_type")
+                for r in settings.models if r.id in roles}
+    out["assumptions"] = spec_predict.assumptions(grading_rates.PUBLISHED_RATES, families, roles)
     return out
 
 
@@ -107,9 +114,10 @@ def _print_prediction(p: dict, n: int, concurrency: str) -> None:
         print(grading_timeout.line(p["concurrency"], p[mode]["latency"], f" {mode:>9}"))
     s = p["split+speculative"]
     terms = ", ".join(f"{k} {v:.0f}" for k, v in s["terms_s"].items())
-    print(f"  split with speculative decoding (prompt lookup as modelled in docs/speculative.md): makespan "
-          f"{s['makespan_s']:.0f} s ({s['makespan_s'] / 60:.1f} min); request-seconds: {terms}; "
-          f"split / that: {p['speculative_gain']:.2f}x")
+    print(f"  split with speculative decoding (the class replay's acceptance at fitted verify costs, k <= "
+          f"{spec_predict.MAX_K}): makespan {s['makespan_s']:.0f} s ({s['makespan_s'] / 60:.1f} min); request-seconds: "
+          f"{terms}; split / that: {p['speculative_gain']:.2f}x")
+    spec_predict.print_lanes(p)
 
 
 def _gateway_url(settings: Settings) -> str:

@@ -63,10 +63,13 @@ def routes(settings: Settings) -> dict[str, Route]:
             for r in settings.models}
 
 
-def published_site(settings: Settings, base: Path, speculative: bool = False) -> Site:
+def published_site(settings: Settings, base: Path, speculative: bool = False,
+                   roles: dict[str, str] | None = None) -> Site:
     """The config's topology at the published rates; a model of another family is a ValueError naming the known.
-    `speculative`: a generation alone in its model's batch sped up by prompt lookup as modelled
-    (speculative_speedup)."""
+    `speculative`: a generation alone in its model's batch sped up as modelled: with `roles` (model id -> the call
+    it answers, "analysis" | "feedback"), at the class replay's acceptance of that call and the verify cost fitted
+    to the published rates (backends/grading/spec_predict.py); without, prompt lookup's (speculative_speedup)."""
+    from backends.grading import spec_predict
     geo = _geometry(settings, base)
     rates = {}
     for r in settings.models:
@@ -77,7 +80,12 @@ def published_site(settings: Settings, base: Path, speculative: bool = False) ->
                              f"{sorted(PUBLISHED_RATES)}: predict a site of other models from a running gateway")
         wire, held = _kv_bytes(geo.get(r.id), settings.kv.wire_dtype)
         local = tuple((d, v / MAC_ALONE_SLOWER) for d, v in pub["prefill"])
-        spec = speculative_speedup(family) if speculative else ((0, 1.0),)
+        if not speculative:
+            spec = ((0, 1.0),)
+        elif roles and r.id in roles:
+            spec = spec_predict.speedup_points(family, roles[r.id], PUBLISHED_RATES)
+        else:
+            spec = speculative_speedup(family)
         rates[r.id] = ModelRates(pub["prefill"], local, pub["decode"], wire, held, spec_speedup=spec)
     return Site(routes(settings), rates, LINK_10GBE, settings.kv.max_inflight_bytes, settings.decode.max_batch_size,
                 MAC_BATCH_COST)
