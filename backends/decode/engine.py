@@ -79,6 +79,7 @@ class MLXModel:
         self.prefixes = PrefixStore(prefix_cache_bytes)  # finished generations' caches, for the next turn
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-{model_id}")
         self.model = self.tokenizer = self.grammars = self.draft_model = None
+        self.suffix_store = None  # speculative "suffix": this model's earlier answers (sources.py makes it on first use)
         self.speculation = SpecController(speculative or SpeculativeConfig())  # speculative decoding (docs/speculative.md)
         check_names(tuple(n for n in self.speculation.cfg.sources if n != "auto"))  # a name no source has: refused
         self.draft_cap: int | None = None  # after load: the most drafted tokens attention stays fused for

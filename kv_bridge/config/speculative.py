@@ -24,12 +24,16 @@ class SpeculativeConfig(BaseModel):
     method: str | list[str] = Field(
         default="off", description='a drafting source, a list of them (the controller picks per step), "auto" (every '
         'one this node has and the config allows) or "off". Sources: "prompt_lookup": n-gram matches in the prompt '
-        'and the text so far (no extra model); "draft": a small model of the same tokenizer (draft_path) drafts '
+        'and the text so far (no extra model); "suffix": suffix decoding over the prompt and the model\'s earlier answers '
+        '(backends/decode/speculative/suffix.py); "draft": a small model of the same tokenizer (draft_path) drafts '
         'greedily; the decode node refuses a name it has no source for (backends/decode/speculative/sources.py)')
     num_draft: int = Field(default=4, ge=1, le=16, description="most tokens drafted per verify step")
     ngram_max: int = Field(default=4, ge=1, le=16, description="prompt_lookup: longest suffix n-gram looked up")
     ngram_min: int = Field(default=2, ge=1, le=16, description="prompt_lookup: shortest suffix n-gram looked up")
     draft_path: str | None = Field(default=None, description="draft: the draft model's MLX folder (same tokenizer)")
+    suffix_store_tokens: int = Field(default=250_000, ge=2, description="suffix: tokens of this model's earlier "
+                                     "answers the node keeps to draft from (oldest answers dropped first; ~90-600 B "
+                                     "a token); they only ever propose tokens the model then verifies")
     adaptive: bool = Field(default=True, description="the node picks the draft length from the acceptance it "
                            "measures (false: always num_draft)")
     verify_cost: float = Field(

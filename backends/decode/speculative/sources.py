@@ -86,10 +86,19 @@ def _draft_model(m, seq: list[int], cfg):
     return DraftModel(m.draft_model, seq, cfg.draft_cost)
 
 
+def _suffix(m, seq: list[int], cfg):
+    from backends.decode.speculative.suffix import SuffixDrafter, SuffixStore
+
+    if m.suffix_store is None:  # one per model: its earlier answers, across generations
+        m.suffix_store = SuffixStore(cfg.suffix_store_tokens)
+    return SuffixDrafter(seq, m.suffix_store)
+
+
 # name -> factory(model: MLXModel, seq: the generation's token list, cfg: SpeculativeConfig) -> DraftSource | None
 # (None: not configured for this model, e.g. "draft" without a draft model). The config's `method` names these.
 SOURCES: dict[str, Callable] = {
     "prompt_lookup": _prompt_lookup,
+    "suffix": _suffix,
     "draft": _draft_model,
 }
 

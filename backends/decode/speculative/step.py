@@ -165,7 +165,7 @@ class SpecRun:
             self.ctl.meter.add(1, len(self.seq), now - self._tick)
         self._tick = now if chained else None
         if self._emit_plain(t, logprobs):
-            self._leave()
+            self._leave(finished=True)
             return False
         if self.pending is not None:  # drafts for the token in flight; verify from there if one would pay
             self._shadow = self._draft(self._limit(), costly=False)
@@ -187,7 +187,7 @@ class SpecRun:
         token, logprobs = self.pending
         self.pending = None
         if self._emit_plain(int(token.item()), logprobs):
-            self._leave()
+            self._leave(finished=True)
             return False
         return True
 
@@ -237,18 +237,21 @@ class SpecRun:
         self._tick = None
         self.ctl.verified(prop.name, k, *self._score(props, self.seq[before:], src, k), depth=before)
         if finished:
-            self._leave()
+            self._leave(finished=True)
             return False
         return True
 
-    def _close_sources(self) -> None:
+    def _close_sources(self, finished: bool = False) -> None:
         for src in self.sources:
+            if finished and hasattr(src, "finish"):  # a completed answer (suffix: the model's store of answers)
+                src.finish()
             src.close()
         self.sources = []
 
-    def _leave(self) -> None:
-        """Finished or cancelled: the cache (holding seq[:fed]) goes to on_finished, then the job's end."""
-        self._close_sources()
+    def _leave(self, finished: bool = False) -> None:
+        """Finished (EOS, max_tokens) or cancelled (a stop string, the client gone, an error): the cache (holding
+        seq[:fed]) goes to on_finished, then the job's end."""
+        self._close_sources(finished)
         _finish(self.job, self.seq[:self.fed], self.cache)
 
     def fail(self, message: str) -> None:

@@ -91,7 +91,7 @@ def plain_and_spec(m: MLXModel, method: str = "draft", ids=PROMPT, **sampling):
     return plain, spec, ctl
 
 
-@pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
+@pytest.mark.parametrize("method", ["draft", "prompt_lookup", "suffix"])
 def test_greedy_equals_plain_decoding(tiny, method):
     """60 tokens: on the tiny gpt_oss, past its 16-token window from the prompt on and through 3 more turns of it."""
     plain, spec, ctl = plain_and_spec(tiny, method, max_tokens=60, temperature=0.0)
@@ -101,12 +101,31 @@ def test_greedy_equals_plain_decoding(tiny, method):
         assert ctl.stats.verify_steps > 0 and ctl.stats.accepted > 0
 
 
-@pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
+@pytest.mark.parametrize("method", ["draft", "prompt_lookup", "suffix"])
 def test_sampled_at_the_labs_settings_equals_plain_decoding(tiny, method):
     """prompt_lookup on a random model: mostly plain steps, pipelined (the next built before the last is read)."""
     plain, spec, ctl = plain_and_spec(tiny, method, max_tokens=48, **LAB)
     assert tokens(spec) == tokens(plain)
-    assert ctl.stats.plain_steps > 0 if method == "prompt_lookup" else ctl.stats.accepted > 0
+    assert ctl.stats.plain_steps > 0 if method != "draft" else ctl.stats.accepted > 0
+
+
+def test_suffix_drafts_from_the_models_earlier_answers(tiny):
+    """A class's second answer: the first one's tokens, kept in the model's suffix store when its generation
+    completed, are drafted and kept (a random model's text has nothing else to match), and the output is still plain
+    decoding's. A cancelled generation (a stop string) adds nothing to the store."""
+    tiny.suffix_store = None
+    use(tiny, "off")
+    plain = tokens(generate(tiny, max_tokens=40, temperature=0.0))
+    use(tiny, "suffix", adaptive=True, num_draft=3)
+    first = tokens(generate(tiny, max_tokens=40, temperature=0.0))
+    assert first == plain and tiny.suffix_store.answers == 1
+    ctl = use(tiny, "suffix", adaptive=True, num_draft=3)
+    second = tokens(generate(tiny, max_tokens=40, temperature=0.0))
+    assert second == plain and ctl.stats.accepted >= 10, ctl.stats
+    assert tiny.suffix_store.answers == 2
+    out, done = submit(tiny, PROMPT, stop_at=StopMatcher([tiny.tokenizer.decode(plain[5:7])]), max_tokens=40,
+                       temperature=0.0)
+    assert done.wait(120) and tiny.suffix_store.answers == 2
 
 
 def test_sampled_hot_equals_plain_decoding(tiny):
