@@ -40,11 +40,12 @@ def test_names_are_checked_with_the_fix():
 
 
 def test_make_sources_follows_the_config_and_skips_the_unconfigured():
-    m = type("M", (), {"draft_model": None})()
+    m = type("M", (), {"draft_model": None, "suffix_store": None})()
     seq = [1, 2, 3, 1, 2]
     got = make_sources(m, seq, SpeculativeConfig(method="auto"))
-    assert [s.name for s in got] == ["prompt_lookup"]  # "draft" has no draft model here: left out
-    assert isinstance(got[0], DraftSource) and got[0].draft(2) == [3, 1]
+    assert [s.name for s in got] == ["prompt_lookup", "suffix"]  # "draft" has no draft model here: left out
+    assert all(isinstance(s, DraftSource) for s in got) and got[0].draft(2) == [3, 1]
+    assert m.suffix_store is not None  # the model's store of earlier answers, made on first use
     assert make_sources(m, seq, SpeculativeConfig()) == []
 
 
@@ -54,7 +55,7 @@ def test_a_registered_source_is_built_by_name(monkeypatch):
         name = "echo"
 
     monkeypatch.setitem(sources.SOURCES, "echo", lambda m, seq, cfg: Echo(seq, 1, 2))
-    m = type("M", (), {"draft_model": None})()
+    m = type("M", (), {"draft_model": None, "suffix_store": None})()
     got = make_sources(m, [5, 5], SpeculativeConfig(method=["echo", "prompt_lookup"]))
     assert [s.name for s in got] == ["echo", "prompt_lookup"]
     assert [s.name for s in make_sources(m, [5], SpeculativeConfig(method="auto"))][-1] == "echo"
