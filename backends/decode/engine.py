@@ -105,6 +105,11 @@ class MLXModel:
             from backends.decode.speculative.drafters import load_draft
 
             self.draft_model = load_draft(self.speculation.cfg.draft_path, self.tokenizer, self.vocab_size)
+        elif self.speculation.cfg.method in ("eagle3", "dflash"):  # the model, wrapped to hand out hidden states
+            from backends.decode.speculative.learned import load_learned
+
+            self.model, self.draft_model = load_learned(self.speculation.cfg.method, self.speculation.cfg.draft_path,
+                                                        self.model)
         if self.kv_bits is not None:  # refuse at start-up what quantization cannot do for this model
             from mlx_lm.models.cache import make_prompt_cache
 

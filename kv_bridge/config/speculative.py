@@ -23,13 +23,16 @@ class SpeculativeConfig(BaseModel):
     """Off by default. A decode node drafts only while the model's batch holds one generation (the lab's case: one
     request per model at a time); with more it decodes the batch as before."""
 
-    method: Literal["off", "prompt_lookup", "draft"] = Field(
+    method: Literal["off", "prompt_lookup", "draft", "eagle3", "dflash"] = Field(
         default="off", description='"prompt_lookup": drafts from n-gram matches in the prompt and the text so far '
-        '(no extra model); "draft": a small model of the same tokenizer (draft_path) drafts greedily')
+        '(no extra model); "draft": a small model of the same tokenizer (draft_path) drafts greedily; "eagle3" / '
+        '"dflash": a learned drafter over the model\'s own hidden states (draft_path: an EAGLE-3 head\'s or a DFlash '
+        'drafter\'s folder, trained for this model; docs/speculative.md, learned drafters)')
     num_draft: int = Field(default=4, ge=1, le=16, description="most tokens drafted per verify step")
     ngram_max: int = Field(default=4, ge=1, le=16, description="prompt_lookup: longest suffix n-gram looked up")
     ngram_min: int = Field(default=2, ge=1, le=16, description="prompt_lookup: shortest suffix n-gram looked up")
-    draft_path: str | None = Field(default=None, description="draft: the draft model's MLX folder (same tokenizer)")
+    draft_path: str | None = Field(default=None, description="draft: the draft model's MLX folder (same tokenizer); "
+                                   "eagle3 / dflash: the drafter's folder (config.json + safetensors)")
     adaptive: bool = Field(default=True, description="the node picks the draft length from the acceptance it "
                            "measures (false: always num_draft)")
     verify_cost: float = Field(
@@ -54,4 +57,7 @@ class SpeculativeConfig(BaseModel):
         if self.method == "draft" and not self.draft_path:
             raise ValueError('speculative.method = "draft" needs draft_path: the draft model\'s MLX folder (same '
                              'tokenizer as the model), or use method = "prompt_lookup"')
+        if self.method in ("eagle3", "dflash") and not self.draft_path:
+            raise ValueError(f'speculative.method = "{self.method}" needs draft_path: the folder of a drafter trained '
+                             'for this model (docs/speculative.md, learned drafters), or use method = "prompt_lookup"')
         return self

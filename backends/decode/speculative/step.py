@@ -17,6 +17,7 @@ import logging
 from backends.decode.batch import LeadingSpace, _finish, _Running, token_line
 from backends.decode.speculative.control import outcome
 from backends.decode.speculative.drafters import DraftModel, PromptLookup
+from backends.decode.speculative.learned import LEARNED, make_source
 from backends.decode.sampling import make_sampling
 
 log = logging.getLogger("backends.decode.node")
@@ -54,8 +55,11 @@ class SpecRun:
         if not can_trim_prompt_cache(self.cache):  # e.g. a recurrent layer's state: the batch must take it
             return False
         cfg = self.ctl.cfg
-        self.drafter = (DraftModel(self.m.draft_model, self.seq) if cfg.method == "draft"
-                        else PromptLookup(self.seq, cfg.ngram_min, cfg.ngram_max))
+        if cfg.method in LEARNED:  # its own cache, fed the hidden states of this generation's target forwards
+            self.drafter = make_source(cfg.method, self.m.draft_model, self.m.model, self.seq, self.cache)
+        else:
+            self.drafter = (DraftModel(self.m.draft_model, self.seq) if cfg.method == "draft"
+                            else PromptLookup(self.seq, cfg.ngram_min, cfg.ngram_max))
         self.ctl.new_generation()
         return True
 
