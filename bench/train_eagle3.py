@@ -47,8 +47,9 @@ def corpus(tokens: int, tokenizer, seq_len: int) -> np.ndarray:
     return np.array(ids[:n * seq_len], dtype=np.int32).reshape(n, seq_len)
 
 
-def target_pass(tap: HiddenTap, windows: np.ndarray, batch: int = 4):
-    """The target over every window: (aux states (n, T, 3H) float16, greedy next tokens (n, T))."""
+def target_pass(tap: HiddenTap, windows: np.ndarray, minutes: float, batch: int = 4):
+    """The target over the windows, as many as `minutes` allow: (aux states (n, T, 3H) float16, greedy next tokens
+    (n, T))."""
     aux, labels = [], []
     t0 = time.time()
     for i in range(0, len(windows), batch):
@@ -61,6 +62,8 @@ def target_pass(tap: HiddenTap, windows: np.ndarray, batch: int = 4):
         done = i + len(x)
         print(f"target pass {done}/{len(windows)} windows, {done * windows.shape[1] / (time.time() - t0):.0f} tok/s",
               flush=True)
+        if time.time() - t0 > minutes * 60:
+            break
     return np.concatenate(aux), np.concatenate(labels)
 
 
@@ -110,7 +113,8 @@ def train(args) -> None:
     tap = HiddenTap(model, Eagle3Config.from_dict(cfg).aux_layers(target))
     windows = corpus(args.tokens, tok, args.seq_len)
     print(f"corpus: {windows.size} tokens in {len(windows)} windows of {args.seq_len}", flush=True)
-    aux, labels = target_pass(tap, windows)
+    aux, labels = target_pass(tap, windows, args.pass_minutes)
+    windows = windows[:len(aux)]
     counts = np.bincount(labels.ravel(), minlength=target["vocab_size"])
     draft_ids = np.sort(np.argsort(-counts, kind="stable")[:args.draft_vocab])  # the most frequent greedy tokens
     t2d = np.full(target["vocab_size"], -1, dtype=np.int32)
@@ -151,6 +155,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--minutes", type=float, default=20.0, help="training time limit (the target pass not counted)")
+    p.add_argument("--pass-minutes", type=float, default=10.0, help="time limit of the target pass (fewer tokens)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--smoke", action="store_true", help="a few steps on a little text into a temporary folder")
