@@ -6,6 +6,15 @@ drafter a block at once, both from the target's hidden states that the verify an
 from __future__ import annotations
 
 LEARNED = ("eagle3", "dflash")
+# The published learned drafters for the site models (docs/speculative.md, learned drafters, says why each): what
+# `disagg models prepare --role draft` fetches to speculative.draft_path when no --mlx source is given.
+_QWEN_CODER = ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8")
+SITE_HEADS = {
+    "eagle3": {"openai/gpt-oss-120b": "nvidia/gpt-oss-120b-Eagle3",
+               **{m: "lmsys/SGLang-EAGLE3-Qwen3-Coder-30B-A3B-Instruct-SpecForge" for m in _QWEN_CODER}},
+    "dflash": {"openai/gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash",
+               **{m: "z-lab/Qwen3-Coder-30B-A3B-DFlash" for m in _QWEN_CODER}},
+}
 _ROPE_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "low_freq_factor",
               "high_freq_factor")
 
@@ -90,6 +99,56 @@ class HiddenSource:
     def close(self) -> None:
         self.tap.listen(self.target_cache, None)
         self.rows = None
+
+
+def target_from_config(cfg: dict) -> dict:
+    """hidden.target_args' fields from a decode folder's config.json (no model loaded)."""
+    cfg = cfg.get("text_config", cfg)
+    return {"model_type": cfg.get("model_type"), "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+            "num_hidden_layers": cfg["num_hidden_layers"], "rope_theta": float(cfg.get("rope_theta", 10000.0)),
+            "rope_scaling": cfg.get("rope_scaling")}
+
+
+def _tensor_names(folder) -> set[str]:
+    """The tensor names in a folder's safetensors files, from their JSON headers (no weights read)."""
+    import json
+    import struct
+
+    names: set[str] = set()
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            names.update(k for k in json.loads(fh.read(n)) if k != "__metadata__")
+    return names
+
+
+def check_folder(method: str, folder, target_folder) -> str:
+    """Check the drafter in `folder` against the decode model's config.json in `target_folder` without loading
+    either (ValueError naming the field); a one-line summary."""
+    import json
+    from pathlib import Path
+
+    folder, target_folder = Path(folder), Path(target_folder)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        target = target_from_config(json.loads((target_folder / "config.json").read_text()))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the drafter's or the model's config.json: {e}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder}: no *.safetensors")
+    if method == "eagle3":
+        from backends.decode.speculative.eagle3 import Eagle3Config
+
+        c = Eagle3Config.from_dict(cfg)
+        c.check(target, any(n.endswith("embed_tokens.weight") for n in _tensor_names(folder)), str(folder))
+        return (f"EAGLE-3 head over layers {c.aux_layers(target)}, draft vocabulary {c.draft_vocab_size}, "
+                f"KV {2 * c.num_key_value_heads * c.head_dim} values a token")
+    from backends.decode.speculative.dflash import DFlashConfig
+
+    d = DFlashConfig.from_dict(cfg)
+    d.check(target, str(folder))
+    return (f"DFlash drafter over layers {d.target_layer_ids}, block {d.block_size}, {d.num_hidden_layers} layers, "
+            f"KV {2 * d.num_hidden_layers * d.num_key_value_heads * d.head_dim} values a token")
 
 
 def load_learned(method: str, path: str, model):
