@@ -121,6 +121,7 @@ def smollm2(tmp_path_factory):
     m.stop()
 
 
+@pytest.mark.e2e  # loads the embedded model (as test_speculative.py's node does): the serial tier
 def test_smollm2_greedy_with_its_head_equals_plain_decoding(smollm2):
     ids = smollm2.tokenizer.encode("Speculative decoding drafts tokens that the model then verifies. In short,")
     plain, spec, ctl = plain_and_spec(smollm2, "eagle3", ids, max_tokens=24, temperature=0.0)
