@@ -63,6 +63,30 @@ def measure(m: MLXModel, method: str, draft: str | None, prompts: list[list[int]
             "accepted": st.accepted, "drafted": st.drafted}
 
 
+def state_bytes(head_path: str, ids: list[int]) -> str:
+    """What a prompt's drafter state takes per token as MLX holds it here (float32): the 3 layers' states the head
+    reads, the head's own KV after its prefill over them, and the model's KV; the wire would carry bf16 or fp8."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from backends.decode.speculative.eagle3 import load_eagle3
+    from backends.decode.speculative.hidden import HiddenTap, target_args
+
+    model = load_model()
+    t = target_args(model)
+    head = load_eagle3(head_path, t)
+    tap = HiddenTap(model, head.cfg.aux_layers(t))
+    cache, hcache = make_prompt_cache(model), [KVCache()]
+    _, aux = tap.forward(mx.array([ids]), cache)
+    head(tap.embed(mx.array([ids[1:]])), head.fuse(aux[:, :-1]), hcache)
+    mx.eval(aux, [c.keys for c in cache + hcache])
+    n = len(ids)
+    model_kv = sum(c.keys.nbytes + c.values.nbytes for c in cache) * n / cache[0].keys.shape[2] / n
+    head_kv = (hcache[0].keys.nbytes + hcache[0].values.nbytes) / hcache[0].keys.shape[2]
+    return (f"prompt state per token (float32): fused states {aux.nbytes / n:.0f} B, head KV {head_kv:.0f} B, "
+            f"model KV {model_kv:.0f} B")
+
+
 def node(method: str, draft: str) -> MLXModel:
     m = MLXModel("smollm2", str(MODEL), speculative=SpeculativeConfig(method=method, draft_path=draft))
     m.executor.submit(m.load).result()
@@ -95,6 +119,7 @@ def main() -> None:
     df = node("dflash", untrained_dflash(target, str(tmp / "dflash"), block_size=a.num_draft + 1))
     rows.append(measure(df, "dflash", "untrained", ids, n, a.num_draft))
     df.stop()
+    print(state_bytes(head, ids[0]))
     base = rows[0]
     for r in rows:
         same = "same as off" if r["outs"] == base["outs"] else "DIFFERS from off"
