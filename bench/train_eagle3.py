@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head for smollm2:135m on this CPU from the model's own hidden states over text shipped offline (this
 project's docs, the Markdown in installed packages); the head is cached beside the model (models/smollm2-135m-eagle3),
-never in the repository. `make draft-head` (python -m bench.train_eagle3); `--smoke` trains a few steps into a temporary folder.
+never in the repository. `make draft-head` (python -m bench.train_eagle3); `--smoke`: a few steps, a temporary folder.
 
 Labels are the target's own greedy next tokens (the head learns to predict what verification keeps). Two steps of
 EAGLE-3's training-time test: step 1 from the target's fused states, step 2 from the head's own output, attending to

@@ -186,7 +186,8 @@ def load_dflash(path: str, target: dict) -> DFlashDrafter:
     return drafter
 
 
-def untrained_dflash(target: dict, path: str, layers: int = 2, block_size: int = 8, seed: int = 0) -> str:
+def untrained_dflash(target: dict, path: str, layers: int = 2, block_size: int = 8, seed: int = 0,
+                     mask_token_id: int = 0) -> str:
     """A small random drafter for `target` in z-lab's config fields (tests: losslessness, never quality)."""
     from mlx.utils import tree_flatten
 
@@ -195,7 +196,7 @@ def untrained_dflash(target: dict, path: str, layers: int = 2, block_size: int =
            "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
            "head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": target["vocab_size"], "num_target_layers": n,
            "block_size": block_size, "rope_theta": target["rope_theta"], "rope_scaling": target["rope_scaling"],
-           "dflash_config": {"target_layer_ids": default_layer_ids(n, layers), "mask_token_id": 0}}
+           "dflash_config": {"target_layer_ids": default_layer_ids(n, layers), "mask_token_id": mask_token_id}}
     mx.random.seed(seed)
     drafter = DFlashDrafter(DFlashConfig.from_dict(cfg))
     folder = Path(path)

@@ -1,6 +1,6 @@
-"""EAGLE-3 heads in MLX, loaded as vLLM loads them (vllm/model_executor/models/llama_eagle3.py): fc fuses the target's
-auxiliary hidden states (3 layers) into one, a single llama decoder layer attends over [embedding, fused state] (2x
-hidden), a draft vocabulary maps back to the target's through d2t; embeddings are the target's unless the head has its own.
+"""EAGLE-3 heads in MLX, loaded as vLLM loads them (vllm/model_executor/models/llama_eagle3.py): fc fuses the
+target's auxiliary hidden states (3 layers) into one, one llama decoder layer attends over [embedding, fused state]
+(2x hidden), a draft vocabulary maps back to the target's through d2t; embeddings: the target's unless it has its own.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: Eagle3Config, own_embed: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        fused = 3 * cfg.target_hidden_size if cfg.aux_layer_ids is None else len(cfg.aux_layer_ids) * cfg.target_hidden_size
+        fused = (len(cfg.aux_layer_ids) if cfg.aux_layer_ids else 3) * cfg.target_hidden_size
         if cfg.norm_before_fc:
             self.input_norm = nn.RMSNorm(fused, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(fused, cfg.hidden_size, bias=False)
@@ -143,8 +143,8 @@ class Eagle3Head(nn.Module):
         return self.fc(self.input_norm(aux) if "input_norm" in self else aux)
 
     def __call__(self, emb, hidden, cache: list | None):
-        """cache: [KVCache] (None: no cache, training). emb (1, L, H) of tokens x[i+1], hidden (1, L, H) fused states g[i] (or the head's own output): (pre-norm
-        output (1, L, H), draft logits (1, L, draft_vocab)) predicting x[i+2]."""
+        """cache: [KVCache] (None: no cache). emb (1, L, H) of tokens x[i+1], hidden (1, L, H) fused states g[i] (or
+        the head's own output): (pre-norm output (1, L, H), draft logits (1, L, draft_vocab)) predicting x[i+2]."""
         c = cache[0] if cache else None
         out = self.midlayer(emb, hidden, create_attention_mask(emb, c), c)
         return out, self.lm_head(self.norm(out))

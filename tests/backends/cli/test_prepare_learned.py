@@ -45,7 +45,8 @@ def test_a_head_for_the_model_is_prepared_and_budgeted(tmp_path):
     src = untrained_eagle3(_target(served), str(tmp_path / "src"))
     cfg = _config(tmp_path, "eagle3")
     r = run("models", "prepare", "--config", str(cfg), "--model", "m", "--role", "draft", "--mlx", src, cwd=tmp_path)
-    assert r.returncode == 0 and "eagle3 drafter ready" in r.stdout and "layers [2, 2, 1]" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "eagle3 drafter ready" in r.stdout, r.stdout + r.stderr
+    assert "layers [2, 2, 1]" in r.stdout  # vLLM's default for a 4-layer target: 2, L // 2, L - 3
     s = load_config(cfg)
     items = dict(decode_budget(s, s.node("d"), s.models, cfg.parent).items)
     assert items["m draft weights"] > 0 and items[f"m draft KV ({s.models[0].max_model_len} tokens)"] > 0

@@ -1,9 +1,10 @@
 """Learned drafters keep plain decoding's output: greedy equal token for token and seeded sampling equal to the plain
 batch, with an EAGLE-3 head and a DFlash drafter drafting, in-process through the decode node's MLX loop on the tiny
 random llama and gpt_oss (tests/support/tiny_models.py; gpt_oss past its 16-token window) and on smollm2:135m with
-its trained head when `make draft-head` cached one, else a small untrained head. A head's quality never decides a
-test: a one-token draft vocabulary and a logit bias on that token make every draft accepted, so kept drafts and the
-states they leave behind are exercised as well as refused ones."""
+its trained head when `make draft-head` cached one, else a small untrained head. A drafter's quality never decides
+a test: untrained drafters are refused nearly always, so a head with a one-token draft vocabulary and a DFlash
+drafter built to echo that token, with a logit bias on it, make most drafts kept: kept drafts and the states they
+leave behind are exercised as well as refused ones."""
 
 from __future__ import annotations
 
@@ -37,7 +38,25 @@ def _drafters(path: str, folder: Path) -> dict:
     t = target_args(model)
     return {"eagle3": untrained_eagle3(t, str(folder / "e3"), draft_ids=list(range(0, t["vocab_size"], 7))),
             "eagle3-one": untrained_eagle3(t, str(folder / "e3one"), draft_ids=[504]),
-            "dflash": untrained_dflash(t, str(folder / "df"))}
+            "dflash": untrained_dflash(t, str(folder / "df")),
+            "dflash-one": _echo_dflash(model, t, folder / "dfone")}
+
+
+def _echo_dflash(model, t: dict, folder: Path) -> str:
+    """A DFlash drafter that drafts 504 at every position: its layers add nothing (o_proj, down_proj zero), its mask
+    token is 504, and its final norm's weight turns the normed embedding of 504 into the target's lm_head row for
+    504 (whose dot product with itself wins the argmax on these random weights: checked)."""
+    import mlx.core as mx
+
+    path = untrained_dflash(t, str(folder), mask_token_id=504)
+    w = mx.load(f"{path}/model.safetensors")
+    w = {k: mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in w.items()}
+    e = model.model.embed_tokens(mx.array([504]))[0]
+    e = e * mx.rsqrt(mx.mean(e * e) + 1e-6)
+    w["norm.weight"] = model.lm_head.weight[504] / e
+    assert mx.argmax(model.lm_head(w["norm.weight"] * e)).item() == 504
+    mx.save_safetensors(f"{path}/model.safetensors", w)
+    return path
 
 
 def _node(path: str, method: str, draft: str) -> MLXModel:
@@ -100,12 +119,13 @@ def test_sampled_at_the_labs_settings_equals_plain_decoding(tiny, method):
     assert spec == plain and ctl.stats.verify_steps > 0
 
 
-def test_kept_drafts_leave_the_head_in_step(tiny):
-    """Every draft is 504 and a bias makes the target emit it mostly: most drafts are kept, and greedy and sampled
-    output still equal plain decoding (the head drafts on from the kept tokens' states)."""
-    m = tiny("eagle3-one")
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_kept_drafts_leave_the_drafter_in_step(tiny, method):
+    """Drafts of 504 only and a bias that makes the target emit it mostly: most drafts are kept, and greedy and
+    sampled output still equal plain decoding (the drafter drafts on from the kept tokens' states)."""
+    m = tiny(f"{method}-one")
     for sampling in (dict(temperature=0.0), dict(temperature=0.3, seed=3)):
-        plain, spec, ctl = plain_and_spec(m, "eagle3", max_tokens=40, logit_bias={504: 4.0}, **sampling)
+        plain, spec, ctl = plain_and_spec(m, method, max_tokens=40, logit_bias={504: 4.0}, **sampling)
         assert spec == plain
         assert ctl.stats.accepted > 0
 
