@@ -146,3 +146,49 @@ def test_smollm2_greedy_with_its_head_equals_plain_decoding(smollm2):
     ids = smollm2.tokenizer.encode("Speculative decoding drafts tokens that the model then verifies. In short,")
     plain, spec, ctl = plain_and_spec(smollm2, "eagle3", ids, max_tokens=24, temperature=0.0)
     assert spec == plain and ctl.stats.verify_steps > 0
+
+
+class _KV:
+    """Received KV as MLXModel.prompt_cache takes it (keys, values, release())."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def release(self):
+        pass
+
+
+def _bridged(m: MLXModel, ids: list[int], **sampling) -> list[int]:
+    """A generation from the prompt's KV handed over as a prefill node's arrives (MLX's own prefill of ids[:-1]): the
+    node computed no hidden state for those positions, so the drafter starts with none."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kv_bridge.mlx.cache import cache_kv
+
+    model, _ = load(m.path)  # the same weights on this thread (the node's thread runs its loop)
+    cache = make_prompt_cache(model)
+    model(mx.array([ids[:-1]]), cache=cache)
+    kv = cache_kv(cache, len(ids) - 1)
+    out, done = [], threading.Event()
+    job = Job(tokens=ids[-1:], gen=Sampling.from_json(sampling), emit=None, history=ids[:-1],
+              make_cache=lambda: m.prompt_cache(None, _KV(*kv)))
+    job.emit = lambda ev: done.set() if ev is None else out.append(ev)
+    m.submit(job)
+    assert done.wait(300)
+    assert all(e[0] == "token" for e in out), out
+    return [e[1].token_id for e in out]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_bridged_prompt_greedy_equals_plain_decoding(tiny, method):
+    """The split's case: the prompt's KV arrives, its hidden states do not (the drafter's context starts at the last
+    prompt token); kept drafts too (the echo drafters and a bias)."""
+    m = tiny(f"{method}-one")
+    sampling = dict(max_tokens=40, temperature=0.0, logit_bias={504: 4.0})
+    use(m, "off")
+    plain = _bridged(m, PROMPT, **sampling)
+    ctl = use(m, method)
+    assert _bridged(m, PROMPT, **sampling) == plain
+    assert ctl.stats.requests == {"speculative": 1} and ctl.stats.accepted > 0
