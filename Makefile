@@ -8,7 +8,7 @@ EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
 AGENT_CLIS := node_modules/.installed
 
-.PHONY: install models serve site site-models test test-quick test-gpu tools clean
+.PHONY: install models draft-head serve site site-models test test-quick test-gpu tools clean
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml
 
 models: install
 	$(BIN)/disagg models prepare
+
+# An EAGLE-3 head for smollm2:135m trained here from its own hidden states (bench/train_eagle3.py; docs/speculative.md),
+# cached beside the model in models/smollm2-135m-eagle3; never part of `make test` (its tests use it when present).
+draft-head: install models
+	nice -n 19 $(BIN)/python -m bench.train_eagle3
 
 serve: install models
 	$(BIN)/disagg up

@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--role", choices=("prefill", "decode", "gateway", "draft"), help="a real checkpoint for this "
                       "side (with --model); gateway: only its tokenizer, chat template and config.json, copied from "
                       "--hf; draft: the speculative draft model at speculative.draft_path, its tokenizer files "
-                      "checked against the decode side's")
+                      "checked against the decode side's (eagle3 / dflash: the learned drafter, its config checked "
+                      "against the decode side's config.json)")
     prep.add_argument("--hf", metavar="SRC", help="HF checkpoint: a local folder or a hub id (prefill side; the "
                       "source --bits converts)")
     prep.add_argument("--mlx", metavar="SRC", help="decode side: an MLX folder or hub id, used as it is")
@@ -237,6 +238,8 @@ def _prepare_draft(route, args: argparse.Namespace) -> int:
 
     if not route.speculative.draft_path:
         raise ConfigError(f"--role draft: set [models.speculative] draft_path for {route.id} (where its draft goes)")
+    if {"eagle3", "dflash"} & set(route.speculative.sources):
+        return _prepare_learned(route, args)
     suggested = next((SITE_DRAFTS[n] for n in (*route.aliases, route.id) if n in SITE_DRAFTS), None)
     mlx = args.mlx or (None if args.hf else suggested)
     dest = Path(route.speculative.draft_path).expanduser()
@@ -246,6 +249,29 @@ def _prepare_draft(route, args: argparse.Namespace) -> int:
         print(f"disagg: {e}", file=sys.stderr)
         return 1
     print(f"{route.id}: draft ready, same tokenizer files as the decode side\n{s.line()}")
+    return 0
+
+
+def _prepare_learned(route, args: argparse.Namespace) -> int:
+    """An EAGLE-3 head or a DFlash drafter at speculative.draft_path (--mlx, else the one published for the model),
+    checked against the decode side's config.json (hidden size, vocabulary, layers, RoPE)."""
+    from backends.cli import checkpoints
+    from backends.decode.speculative.learned import SITE_HEADS, check_folder
+
+    method = next(n for n in route.speculative.sources if n in ("eagle3", "dflash"))
+    source = args.mlx or next((SITE_HEADS[method][n] for n in (*route.aliases, route.id) if n in SITE_HEADS[method]),
+                              None)
+    if source is None:
+        raise ConfigError(f"--role draft: no published {method} drafter known for {route.id}: pass --mlx "
+                          "FOLDER_OR_HUB_ID (docs/speculative.md, learned drafters)")
+    dest = Path(route.speculative.draft_path).expanduser()
+    try:
+        folder = checkpoints.fetch(source, dest)
+        summary = check_folder(method, folder, resolve_model_path(route))
+    except (checkpoints.CheckpointError, ValueError) as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return 1
+    print(f"{route.id}: {method} drafter ready at {folder} ({source}): {summary}")
     return 0
 
 

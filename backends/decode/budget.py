@@ -199,9 +199,10 @@ def answer_items(s: Settings, node: NodeConfig, routes: list[ModelRoute], base: 
 
 def draft_items(route: ModelRoute, base: Path, notes: list[str]) -> list[tuple[str, float]]:
     """A speculative draft model's weights and its own cache of the longest prompt (it prefills every prompt itself,
-    docs/speculative.md), for a model whose speculative.method is "draft"; measured from its folder."""
+    docs/speculative.md), for a model whose speculative.method is "draft"; measured from its folder. The same for a
+    learned drafter ("eagle3", "dflash": its config.json names its layers, KV heads and head_dim the same way)."""
     sp = route.speculative
-    if not {"draft", "auto"} & set(sp.sources) or not sp.draft_path:
+    if not {"draft", "auto", "eagle3", "dflash"} & set(sp.sources) or not sp.draft_path:
         return []
     folder = Path(sp.draft_path).expanduser()
     folder = folder if folder.is_absolute() else base / folder

@@ -116,14 +116,20 @@ class MLXModel:
 
     def _load_speculation(self) -> None:
         """The draft model where a configured source needs one, and the fused-attention cap on k (sources.py)."""
-        from backends.decode.speculative.sources import model_cap, names_for
+        from backends.decode.speculative.sources import LEARNED, model_cap, names_for
 
         cfg = self.speculation.cfg
         self.draft_cap = model_cap(self.model)
-        if "draft" in names_for(cfg) and cfg.draft_path:
+        names = names_for(cfg)
+        learned = [n for n in names if n in LEARNED]
+        if "draft" in names and cfg.draft_path:
             from backends.decode.speculative.drafters import load_draft
 
             self.draft_model = load_draft(cfg.draft_path, self.tokenizer, self.vocab_size)
+        elif learned:  # the model, wrapped to hand out the hidden states the drafter reads (hidden.py)
+            from backends.decode.speculative.learned import load_learned
+
+            self.model, self.draft_model = load_learned(learned[0], cfg.draft_path, self.model)
 
     def grammar_for(self, gen: Sampling, ids: list[int]):
         """The request's GrammarProcessor (None without a grammar); a resumed generation's last

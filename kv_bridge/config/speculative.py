@@ -26,11 +26,14 @@ class SpeculativeConfig(BaseModel):
         'one this node has and the config allows) or "off". Sources: "prompt_lookup": n-gram matches in the prompt '
         'and the text so far (no extra model); "suffix": suffix decoding over the prompt and the model\'s earlier answers '
         '(backends/decode/speculative/suffix.py); "draft": a small model of the same tokenizer (draft_path) drafts '
-        'greedily; the decode node refuses a name it has no source for (backends/decode/speculative/sources.py)')
+        'greedily; "eagle3" / "dflash": a learned drafter over the model\'s own hidden states (draft_path: an EAGLE-3 '
+        'head\'s or a DFlash drafter\'s folder, trained for this model; named explicitly, not by "auto"); the decode '
+        'node refuses a name it has no source for (backends/decode/speculative/sources.py)')
     num_draft: int = Field(default=4, ge=1, le=16, description="most tokens drafted per verify step")
     ngram_max: int = Field(default=4, ge=1, le=16, description="prompt_lookup: longest suffix n-gram looked up")
     ngram_min: int = Field(default=2, ge=1, le=16, description="prompt_lookup: shortest suffix n-gram looked up")
-    draft_path: str | None = Field(default=None, description="draft: the draft model's MLX folder (same tokenizer)")
+    draft_path: str | None = Field(default=None, description="draft: the draft model's MLX folder (same tokenizer); "
+                                   "eagle3 / dflash: the drafter's folder (config.json + safetensors)")
     suffix_store_tokens: int = Field(default=250_000, ge=2, description="suffix: tokens of this model's earlier "
                                      "answers the node keeps to draft from (oldest answers dropped first; ~90-600 B "
                                      "a token); they only ever propose tokens the model then verifies")
@@ -73,4 +76,11 @@ class SpeculativeConfig(BaseModel):
         if "draft" in names and not self.draft_path:
             raise ValueError('speculative.method "draft" needs draft_path: the draft model\'s MLX folder (same '
                              'tokenizer as the model), or use method = "prompt_lookup"')
+        models = [n for n in names if n in ("draft", "eagle3", "dflash")]
+        if len(models) > 1:
+            raise ValueError(f"speculative.method {self.method!r}: {models} would share the one draft_path; name at "
+                             "most one of draft, eagle3, dflash (beside prompt_lookup and suffix)")
+        if models and models[0] != "draft" and not self.draft_path:
+            raise ValueError(f'speculative.method "{models[0]}" needs draft_path: the folder of a drafter trained '
+                             'for this model (docs/speculative.md, learned drafters), or use method = "prompt_lookup"')
         return self

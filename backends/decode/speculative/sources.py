@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, runtime_checkable
 
+from backends.decode.speculative.learned import LEARNED  # model-backed, one draft_path: named, never by "auto"
+
 # Acceptance is kept per (source, bucket): a 2-token match in a 25k-token prompt is often chance (alpha ~0.1), a
 # 20-token one a quote (alpha ~0.9). Upper bounds of each bucket's match length; a learned drafter names its own.
 BUCKETS = ((1, 2), (3, 5), (6, 15), (16, None))
@@ -72,13 +74,13 @@ def model_cap(model) -> int | None:
     return fused_cap(heads, kv_heads, head_dim)
 
 
-def _prompt_lookup(m, seq: list[int], cfg):
+def _prompt_lookup(m, seq: list[int], cfg, cache):
     from backends.decode.speculative.drafters import PromptLookup
 
     return PromptLookup(seq, cfg.ngram_min, cfg.ngram_max)
 
 
-def _draft_model(m, seq: list[int], cfg):
+def _draft_model(m, seq: list[int], cfg, cache):
     from backends.decode.speculative.drafters import DraftModel
 
     if m.draft_model is None:  # "auto" without a draft_path: not configured
@@ -86,7 +88,7 @@ def _draft_model(m, seq: list[int], cfg):
     return DraftModel(m.draft_model, seq, cfg.draft_cost)
 
 
-def _suffix(m, seq: list[int], cfg):
+def _suffix(m, seq: list[int], cfg, cache):
     from backends.decode.speculative.suffix import SuffixDrafter, SuffixStore
 
     if m.suffix_store is None:  # one per model: its earlier answers, across generations
@@ -94,12 +96,25 @@ def _suffix(m, seq: list[int], cfg):
     return SuffixDrafter(seq, m.suffix_store)
 
 
-# name -> factory(model: MLXModel, seq: the generation's token list, cfg: SpeculativeConfig) -> DraftSource | None
+def _learned(method: str):
+    def factory(m, seq: list[int], cfg, cache):
+        from backends.decode.speculative.learned import make_source
+
+        if m.draft_model is None:  # loaded at start only where the config names this drafter (engine.py)
+            return None
+        return make_source(method, m.draft_model, m.model, seq, cache)
+    return factory
+
+
+# name -> factory(model: MLXModel, seq: the generation's token list, cfg: SpeculativeConfig, cache: the generation's
+# target cache, which learned drafters read the offset of) -> DraftSource | None
 # (None: not configured for this model, e.g. "draft" without a draft model). The config's `method` names these.
 SOURCES: dict[str, Callable] = {
     "prompt_lookup": _prompt_lookup,
     "suffix": _suffix,
     "draft": _draft_model,
+    "eagle3": _learned("eagle3"),
+    "dflash": _learned("dflash"),
 }
 
 
@@ -113,14 +128,14 @@ def check_names(names: tuple[str, ...]) -> None:
 
 def names_for(cfg) -> tuple[str, ...]:
     """The source names a config asks for ("auto": every registered one; "off": none)."""
-    return tuple(SOURCES) if cfg.sources == ("auto",) else cfg.sources
+    return tuple(n for n in SOURCES if n not in LEARNED) if cfg.sources == ("auto",) else cfg.sources
 
 
-def make_sources(m, seq: list[int], cfg) -> list:
+def make_sources(m, seq: list[int], cfg, cache=None) -> list:
     """The generation's sources, in the config's order; those not configured for this model (factory -> None) left out."""
     out = []
     for name in names_for(cfg):
-        src = SOURCES[name](m, seq, cfg)
+        src = SOURCES[name](m, seq, cfg, cache)
         if src is not None:
             out.append(src)
     return out

@@ -59,7 +59,7 @@ class SpecRun:
         self.cache = rollback_caches(cache)  # sliding-window layers (gpt-oss) roll back past their window
         if not can_trim_prompt_cache(self.cache):  # e.g. a recurrent layer's state: the batch must take it
             return False
-        self.sources = make_sources(self.m, self.seq, self.ctl.cfg)
+        self.sources = make_sources(self.m, self.seq, self.ctl.cfg, self.cache)
         self.ctl.new_generation()
         return True
 

@@ -54,7 +54,7 @@ def test_a_registered_source_is_built_by_name(monkeypatch):
     class Echo(PromptLookup):
         name = "echo"
 
-    monkeypatch.setitem(sources.SOURCES, "echo", lambda m, seq, cfg: Echo(seq, 1, 2))
+    monkeypatch.setitem(sources.SOURCES, "echo", lambda m, seq, cfg, cache: Echo(seq, 1, 2))
     m = type("M", (), {"draft_model": None, "suffix_store": None})()
     got = make_sources(m, [5, 5], SpeculativeConfig(method=["echo", "prompt_lookup"]))
     assert [s.name for s in got] == ["echo", "prompt_lookup"]

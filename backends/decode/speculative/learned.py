@@ -1,0 +1,181 @@
+"""Learned drafters as draft sources of a speculative generation: an EAGLE-3 head drafts token by token, a DFlash
+drafter a block at once, both from the target's hidden states that the verify and prefill forwards already compute
+(hidden.HiddenTap hands them over). Checks that refuse a drafter trained for another target, naming the field.
+"""
+
+from __future__ import annotations
+
+LEARNED = ("eagle3", "dflash")
+# The published learned drafters for the site models (docs/speculative.md, learned drafters, says why each): what
+# `disagg models prepare --role draft` fetches to speculative.draft_path when no --mlx source is given.
+_QWEN_CODER = ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen/Qwen3-Coder-30B-A3B-Instruct-FP8")
+SITE_HEADS = {
+    "eagle3": {"openai/gpt-oss-120b": "nvidia/gpt-oss-120b-Eagle3",
+               **{m: "lmsys/SGLang-EAGLE3-Qwen3-Coder-30B-A3B-Instruct-SpecForge" for m in _QWEN_CODER}},
+    "dflash": {"openai/gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash",
+               **{m: "z-lab/Qwen3-Coder-30B-A3B-DFlash" for m in _QWEN_CODER}},
+}
+_ROPE_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "low_freq_factor",
+              "high_freq_factor")
+
+
+def check_target(path: str, field: str, have, want) -> None:
+    if have != want:
+        raise ValueError(f"{path}: {field} is {have}, the decode model's is {want}: this drafter was trained for "
+                         "another model; use the one published for this model (docs/speculative.md, learned drafters)")
+
+
+def _rope(scaling: dict | None) -> dict | None:
+    """A rope_scaling dict compared by what changes the rotation ("type" is the older name of "rope_type")."""
+    if not scaling:
+        return None
+    s = {**scaling, "rope_type": scaling.get("rope_type", scaling.get("type"))}
+    if s["rope_type"] in (None, "default"):
+        return None
+    return {k: (float(s[k]) if isinstance(s[k], (int, float)) and not isinstance(s[k], bool) else s[k])
+            for k in _ROPE_KEYS if k in s}
+
+
+def check_rope(path: str, theta: float, scaling: dict | None, target: dict) -> None:
+    """NVIDIA's warning for its gpt-oss heads: a head whose RoPE differs from the target's loses acceptance at long
+    context. Refused at start-up rather than found in the acceptance rate."""
+    check_target(path, "rope_theta", float(theta), float(target["rope_theta"]))
+    if _rope(scaling) != _rope(target["rope_scaling"]):
+        raise ValueError(f"{path}: rope_scaling is {scaling}, the decode model's is {target['rope_scaling']}: the "
+                         "head was trained for another context length or model; use the variant published for this "
+                         "model's RoPE (docs/speculative.md, learned drafters)")
+
+
+class HiddenSource:
+    """The target's hidden states at positions next.. not yet consumed by the drafter, kept in order as forwards
+    over the generation's cache arrive (a forward from position p replaces every row from p on: a refused draft's
+    rows are overwritten by the next forward, never consumed, since only rows below the cache's offset are)."""
+
+    PREFILL_CHUNK = 512
+
+    def __init__(self, tap, seq: list[int], target_cache: list) -> None:
+        self.tap, self.seq, self.target_cache = tap, seq, target_cache
+        self.next: int | None = None  # target position of rows[0]
+        self.rows = None  # (1, T, D)
+        self.match_len = 0
+        tap.listen(target_cache, self._observe)
+
+    def _observe(self, start: int, hidden) -> None:
+        if self.next is None:
+            self.next = start
+        if start < self.next:  # positions already consumed (never on the speculative path): keep what is new
+            hidden = hidden[:, self.next - start:]
+            start = self.next
+            if hidden.shape[1] == 0:
+                return
+        have = 0 if self.rows is None else self.rows.shape[1]
+        keep = start - self.next
+        if keep > have:  # positions no forward here computed (bridged KV, a prefix-cache hit): the drafter's context
+            self.rows, self.next = hidden, start  # skips them; RoPE is relative, so what it holds stays consistent
+        else:
+            import mlx.core as mx
+
+            self.rows = hidden if keep == 0 else mx.concatenate([self.rows[:, :keep], hidden], axis=1)
+
+    def _usable(self, limit: int) -> int:
+        """Rows ready to consume: computed, below the target cache's offset (a trimmed refused draft is not) and
+        below `limit`."""
+        if self.rows is None:
+            return 0
+        return max(0, min(self.rows.shape[1], min(self.target_cache[0].offset, limit) - self.next))
+
+    def _take(self, limit: int, most: int | None = None):
+        """(start, rows (1, n, D)) for the rows below the cache's offset and `limit`, at most `most`; None if none."""
+        n = self._usable(limit)
+        if most is not None:
+            n = min(n, most)
+        if n <= 0:
+            return None
+        start, rows = self.next, self.rows[:, :n]
+        self.rows = self.rows[:, n:] if n < self.rows.shape[1] else None
+        self.next += n
+        return start, rows
+
+    def close(self) -> None:
+        self.tap.listen(self.target_cache, None)
+        self.rows = None
+
+
+def target_from_config(cfg: dict) -> dict:
+    """hidden.target_args' fields from a decode folder's config.json (no model loaded)."""
+    cfg = cfg.get("text_config", cfg)
+    return {"model_type": cfg.get("model_type"), "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+            "num_hidden_layers": cfg["num_hidden_layers"], "rope_theta": float(cfg.get("rope_theta", 10000.0)),
+            "rope_scaling": cfg.get("rope_scaling")}
+
+
+def _tensor_names(folder) -> set[str]:
+    """The tensor names in a folder's safetensors files, from their JSON headers (no weights read)."""
+    import json
+    import struct
+
+    names: set[str] = set()
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            names.update(k for k in json.loads(fh.read(n)) if k != "__metadata__")
+    return names
+
+
+def check_folder(method: str, folder, target_folder) -> str:
+    """Check the drafter in `folder` against the decode model's config.json in `target_folder` without loading
+    either (ValueError naming the field); a one-line summary."""
+    import json
+    from pathlib import Path
+
+    folder, target_folder = Path(folder), Path(target_folder)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        target = target_from_config(json.loads((target_folder / "config.json").read_text()))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the drafter's or the model's config.json: {e}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder}: no *.safetensors")
+    if method == "eagle3":
+        from backends.decode.speculative.eagle3 import Eagle3Config
+
+        c = Eagle3Config.from_dict(cfg)
+        c.check(target, any(n.endswith("embed_tokens.weight") for n in _tensor_names(folder)), str(folder))
+        return (f"EAGLE-3 head over layers {c.aux_layers(target)}, draft vocabulary {c.draft_vocab_size}, "
+                f"KV {2 * c.num_key_value_heads * c.head_dim} values a token")
+    from backends.decode.speculative.dflash import DFlashConfig
+
+    d = DFlashConfig.from_dict(cfg)
+    d.check(target, str(folder))
+    return (f"DFlash drafter over layers {d.target_layer_ids}, block {d.block_size}, {d.num_hidden_layers} layers, "
+            f"KV {2 * d.num_hidden_layers * d.num_key_value_heads * d.head_dim} values a token")
+
+
+def load_learned(method: str, path: str, model):
+    """(the target wrapped to hand out the hidden states the drafter reads, the drafter); ValueError at start-up
+    for a drafter that does not fit the model."""
+    from backends.decode.speculative.hidden import HiddenTap, target_args
+
+    target = target_args(model)
+    if method == "eagle3":
+        from backends.decode.speculative.eagle3 import load_eagle3
+
+        head = load_eagle3(path, target)
+        return HiddenTap(model, head.cfg.aux_layers(target)), head
+    if method == "dflash":
+        from backends.decode.speculative.dflash import load_dflash
+
+        drafter = load_dflash(path, target)
+        return HiddenTap(model, [i + 1 for i in drafter.cfg.target_layer_ids]), drafter  # DFlash reads layer outputs
+    raise ValueError(f"unknown learned drafter {method!r} (known: {', '.join(LEARNED)})")
+
+
+def make_source(method: str, drafter, tap, seq: list[int], target_cache: list):
+    """The draft source of one speculative generation (its own drafter cache, fed from `target_cache`'s forwards)."""
+    if method == "eagle3":
+        from backends.decode.speculative.eagle3_source import Eagle3Source
+
+        return Eagle3Source(drafter, tap, seq, target_cache)
+    from backends.decode.speculative.dflash import DFlashSource
+
+    return DFlashSource(drafter, tap, seq, target_cache)

@@ -1,0 +1,194 @@
+"""Learned drafters keep plain decoding's output: greedy equal token for token and seeded sampling equal to the plain
+batch, with an EAGLE-3 head and a DFlash drafter drafting, in-process through the decode node's MLX loop on the tiny
+random llama and gpt_oss (tests/support/tiny_models.py; gpt_oss past its 16-token window) and on smollm2:135m with
+its trained head when `make draft-head` cached one, else a small untrained head. A drafter's quality never decides
+a test: untrained drafters are refused nearly always, so a head with a one-token draft vocabulary and a DFlash
+drafter built to echo that token, with a logit bias on it, make most drafts kept: kept drafts and the states they
+leave behind are exercised as well as refused ones."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from backends.decode.engine import Job, MLXModel
+from backends.decode.speculative.control import SpecController
+from backends.decode.speculative.dflash import untrained_dflash
+from backends.decode.speculative.eagle3 import untrained_eagle3
+from backends.decode.speculative.hidden import target_args
+from kv_bridge.config.speculative import SpeculativeConfig
+from kv_bridge.protocol import Sampling
+from tests.support.tiny_models import build
+
+LAB = dict(temperature=0.2, top_p=0.9, seed=5)
+PROMPT = [1, 504, 3458, 282, 4774, 30, 198, 2730, 314, 253, 1789, 28, 339, 1345, 2569, 29, 1048, 8340, 22, 288, 13,
+          4217, 957, 36, 198, 1789, 28, 339, 1345]
+SMOLLM2 = Path(__file__).resolve().parents[4] / "models" / "smollm2-135m"
+TRAINED = SMOLLM2.parent / "smollm2-135m-eagle3"
+
+
+def _drafters(path: str, folder: Path) -> dict:
+    """method -> drafter folder for the model at `path`: eagle3 (untrained, a draft vocabulary), eagle3-one (drafts
+    only token 504), dflash (untrained)."""
+    from mlx_lm import load
+
+    model, _ = load(path)
+    t = target_args(model)
+    return {"eagle3": untrained_eagle3(t, str(folder / "e3"), draft_ids=list(range(0, t["vocab_size"], 7))),
+            "eagle3-one": untrained_eagle3(t, str(folder / "e3one"), draft_ids=[504]),
+            "dflash": untrained_dflash(t, str(folder / "df")),
+            "dflash-one": _echo_dflash(model, t, folder / "dfone")}
+
+
+def _echo_dflash(model, t: dict, folder: Path) -> str:
+    """A DFlash drafter that drafts 504 at every position: its layers add nothing (o_proj, down_proj zero), its mask
+    token is 504, and its final norm's weight turns the normed embedding of 504 into the target's lm_head row for
+    504 (whose dot product with itself wins the argmax on these random weights: checked)."""
+    import mlx.core as mx
+
+    path = untrained_dflash(t, str(folder), mask_token_id=504)
+    w = mx.load(f"{path}/model.safetensors")
+    w = {k: mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in w.items()}
+    e = model.model.embed_tokens(mx.array([504]))[0]
+    e = e * mx.rsqrt(mx.mean(e * e) + 1e-6)
+    w["norm.weight"] = model.lm_head.weight[504] / e
+    assert mx.argmax(model.lm_head(w["norm.weight"] * e)).item() == 504
+    mx.save_safetensors(f"{path}/model.safetensors", w)
+    return path
+
+
+def _node(path: str, method: str, draft: str) -> MLXModel:
+    m = MLXModel("m", path, speculative=SpeculativeConfig(method=method, draft_path=draft))
+    m.executor.submit(m.load).result()  # on the model's own thread, as the node loads it
+    m.start()
+    return m
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_oss"])
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    path = str(build(request.param, folder / "model"))
+    drafters = _drafters(path, folder)
+    nodes = {}
+
+    def node(method: str) -> MLXModel:  # one node per drafter, loaded once per model
+        if method not in nodes:
+            nodes[method] = _node(path, method.removesuffix("-one"), drafters[method])
+        return nodes[method]
+    yield node
+    for m in nodes.values():
+        m.stop()
+
+
+def use(m: MLXModel, method: str) -> SpecController:
+    m.speculation = SpecController(SpeculativeConfig(method=method, draft_path=None if method == "off" else "x",
+                                                     num_draft=4, adaptive=False))
+    return m.speculation
+
+
+def generate(m: MLXModel, ids=PROMPT, **sampling) -> list[int]:
+    out, done = [], threading.Event()
+    gen = Sampling.from_json(sampling)
+    job = Job(tokens=list(ids), gen=gen, emit=None, grammar=None)
+    job.emit = lambda ev: done.set() if ev is None else out.append(ev)
+    m.submit(job)
+    assert done.wait(300)
+    assert all(e[0] == "token" for e in out), out
+    return [e[1].token_id for e in out]
+
+
+def plain_and_spec(m: MLXModel, method: str, ids=PROMPT, **sampling):
+    use(m, "off")  # the same node, its model wrapped: the batch's forwards are the model's own call
+    plain = generate(m, ids, **sampling)
+    ctl = use(m, method)
+    return plain, generate(m, ids, **sampling), ctl
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_greedy_equals_plain_decoding(tiny, method):
+    plain, spec, ctl = plain_and_spec(tiny(method), method, max_tokens=40, temperature=0.0)
+    assert spec == plain and len(plain) == 40
+    assert ctl.stats.requests == {"speculative": 1} and ctl.stats.verify_steps > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_sampled_at_the_labs_settings_equals_plain_decoding(tiny, method):
+    plain, spec, ctl = plain_and_spec(tiny(method), method, max_tokens=32, **LAB)
+    assert spec == plain and ctl.stats.verify_steps > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_kept_drafts_leave_the_drafter_in_step(tiny, method):
+    """Drafts of 504 only and a bias that makes the target emit it mostly: most drafts are kept, and greedy and
+    sampled output still equal plain decoding (the drafter drafts on from the kept tokens' states)."""
+    m = tiny(f"{method}-one")
+    for sampling in (dict(temperature=0.0), dict(temperature=0.3, seed=3)):
+        plain, spec, ctl = plain_and_spec(m, method, max_tokens=40, logit_bias={504: 4.0}, **sampling)
+        assert spec == plain
+        assert ctl.stats.accepted > 0
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    if not (SMOLLM2 / "config.json").is_file():
+        pytest.skip("models/smollm2-135m missing: `make models`")
+    head = str(TRAINED) if (TRAINED / "config.json").is_file() else _drafters(
+        str(SMOLLM2), tmp_path_factory.mktemp("smol"))["eagle3"]
+    m = _node(str(SMOLLM2), "eagle3", head)
+    yield m
+    m.stop()
+
+
+@pytest.mark.e2e  # loads the embedded model (as test_speculative.py's node does): the serial tier
+def test_smollm2_greedy_with_its_head_equals_plain_decoding(smollm2):
+    ids = smollm2.tokenizer.encode("Speculative decoding drafts tokens that the model then verifies. In short,")
+    plain, spec, ctl = plain_and_spec(smollm2, "eagle3", ids, max_tokens=24, temperature=0.0)
+    assert spec == plain and ctl.stats.verify_steps > 0
+
+
+class _KV:
+    """Received KV as MLXModel.prompt_cache takes it (keys, values, release())."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def release(self):
+        pass
+
+
+def _bridged(m: MLXModel, ids: list[int], **sampling) -> list[int]:
+    """A generation from the prompt's KV handed over as a prefill node's arrives (MLX's own prefill of ids[:-1]): the
+    node computed no hidden state for those positions, so the drafter starts with none."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kv_bridge.mlx.cache import cache_kv
+
+    model, _ = load(m.path)  # the same weights on this thread (the node's thread runs its loop)
+    cache = make_prompt_cache(model)
+    model(mx.array([ids[:-1]]), cache=cache)
+    kv = cache_kv(cache, len(ids) - 1)
+    out, done = [], threading.Event()
+    job = Job(tokens=ids[-1:], gen=Sampling.from_json(sampling), emit=None, history=ids[:-1],
+              make_cache=lambda: m.prompt_cache(None, _KV(*kv)))
+    job.emit = lambda ev: done.set() if ev is None else out.append(ev)
+    m.submit(job)
+    assert done.wait(300)
+    assert all(e[0] == "token" for e in out), out
+    return [e[1].token_id for e in out]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_bridged_prompt_greedy_equals_plain_decoding(tiny, method):
+    """The split's case: the prompt's KV arrives, its hidden states do not (the drafter's context starts at the last
+    prompt token); kept drafts too (the echo drafters and a bias)."""
+    m = tiny(f"{method}-one")
+    sampling = dict(max_tokens=40, temperature=0.0, logit_bias={504: 4.0})
+    use(m, "off")
+    plain = _bridged(m, PROMPT, **sampling)
+    ctl = use(m, method)
+    assert _bridged(m, PROMPT, **sampling) == plain
+    assert ctl.stats.requests == {"speculative": 1} and ctl.stats.accepted > 0
