@@ -17,7 +17,7 @@ from typing import Callable
 from aiohttp import web
 
 from backends.common import (NodeError, bad_request, json_body, kv_identity, machine, node_app, node_token, open_paths,
-                             run_app, versions)
+                             project_version, run_app, versions)
 from backends.decode.engine import Job, MLXModel
 from backends.node_metrics import DecodeMetrics
 from backends.decode.sampling import StopMatcher, parse_sampling
@@ -25,7 +25,7 @@ from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
 from kv_bridge.protocol import DoneLine, Sampling, accepted_line, error_line
-from kv_bridge.fingerprint import model_quantization
+from kv_bridge.fingerprint import model_quantization, weight_precision
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class DecodeService:
                        for m in settings.models if node.name in m.decode}
         if not self.models:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
+        for m in self.models.values():
+            m.task_budget_s = settings.fidelity.mlx_budget_s
         self.receiver = KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac)
         self.running = 0
         self.metrics = DecodeMetrics(self)
@@ -89,9 +91,10 @@ class DecodeService:
         if got is None:
             d = self.settings.decode
             got = kv_identity({"fingerprint": m.spec["fingerprint"], "quantization": model_quantization(m.path),
-                               "kv_dtype": m.kv_dtype, "kv_bits": d.kv_bits,
+                               "weights": weight_precision(m.path), "kv_dtype": m.kv_dtype, "kv_bits": d.kv_bits,
                                "kv_group_size": d.kv_group_size if d.kv_bits else None, "machine": machine(),
-                               "versions": versions("mlx", "mlx-lm")})
+                               "attention_backend": _mlx_device(), "versions": versions("mlx", "mlx-lm"),
+                               "project": project_version()})
             if m.kv_dtype is not None:  # loaded: it will not change until the process does
                 self._identity[m.model_id] = got
         return got
@@ -255,3 +258,11 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     # A client that leaves cancels its handler at once, even while it only waits for KV (no write to fail yet):
     # its transfer is forgotten and its job leaves the batch at the next step.
     run_app(app, node, handler_cancellation=True)
+
+
+def _mlx_device() -> str:
+    """The device MLX runs attention on (`Device(gpu, 0)` on a Mac's Metal, `Device(cpu, 0)` on mlx-cpu): its
+    kernels, so its rounding, move with it."""
+    import mlx.core as mx
+
+    return f"mlx {mx.default_device()}"

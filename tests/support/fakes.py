@@ -66,6 +66,7 @@ class FakeNode:
         self.boot_id: str | None = uuid.uuid4().hex
         self.kv_digest: str | None = "kv0"
         self.kv_dtype = "float32"  # shown beside the digest (a real node lists every field it hashes)
+        self.weights: dict | None = None  # its kv_identity's weight_precision ({"scheme", "bits"}); None: left out
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -95,7 +96,8 @@ class FakeNode:
         if self.boot_id is not None:
             body["boot_id"] = self.boot_id
         if self.kv_digest is not None:
-            body["kv_identity"] = {self.model_id: {"digest": self.kv_digest, "dtype": self.kv_dtype}}
+            ident = {"digest": self.kv_digest, "dtype": self.kv_dtype}
+            body["kv_identity"] = {self.model_id: ident if self.weights is None else {**ident, "weights": self.weights}}
         return web.json_response(body)
 
 
@@ -142,6 +144,7 @@ class FakeDecodeNode(FakeNode):
         self.fidelity_error = 1e-5
         self.canaries = 0
         self.canary_hold: asyncio.Event | None = None  # set: every canary's comparison waits for it
+        self.canary_bodies: list[dict] = []  # what each /v1/fidelity/expect asked (the pair's weights, an allowance)
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/generate", self._generate)
@@ -156,6 +159,7 @@ class FakeDecodeNode(FakeNode):
             resp = _error(429, "over kv.max_inflight_bytes (fake)")
             resp.headers["Retry-After"] = "1"
             return resp
+        self.canary_bodies.append(await request.json())
         tid = f"canary-{uuid.uuid4().hex}"
         ids = self.tok.encode("The river town of Alder Bend kept its records in a stone hall.").ids
         self._transfers[tid] = _Transfer(len(ids) - 1)
@@ -384,7 +388,8 @@ def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode
     return Settings(
         gateway={"host": "127.0.0.1", "port": free_port(), "request_timeout_s": 30.0, "health_interval_s": interval,
                  **(gateway or {})},
-        prefill={}, decode={}, kv={}, fidelity=fidelity or {}, nodes=nodes,
+        # an operator's re-check is not rate-limited here unless a test says so (tests post /fidelity back to back)
+        prefill={}, decode={}, kv={}, fidelity={"recheck_min_s": 0, **(fidelity or {})}, nodes=nodes,
         models=[{"id": MODEL_ID, "path": str(model_dir), "prefill": [p.name for p in prefills],
                  "decode": [d.name for d in decoders], "max_model_len": max_model_len,
                  "min_disagg_tokens": min_disagg_tokens, **(route or {})}],

@@ -86,6 +86,7 @@ dtype = "float32"
 enabled = {'true' if fidelity else 'false'}
 canary_tokens = 136
 greedy_tokens = 4
+recheck_min_s = 0
 
 [decode]
 kv_timeout_s = {kv_timeout_s}
