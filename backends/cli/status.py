@@ -1,7 +1,8 @@
 """`disagg status`: one table for a whole site (each node's health, fingerprint agreement, load, last error), the KV
 link bandwidth of every prefill -> decode pair, measured with a test transfer (backends/probe.py), and the KV
-fidelity of every (model, prefill, decode) pair: the canary run now (kv_bridge/fidelity.py), through the gateway when
-it answers (so its routing learns the verdicts too), else straight against the nodes."""
+fidelity of every (model, prefill, decode) pair: the gateway's verdicts as they stand (its /health; nothing is run),
+or with `--recheck` the canary run now (kv_bridge/fidelity.py) through the gateway's operator-only POST /fidelity (so
+its routing learns the verdicts too), else straight against the nodes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kv_bridge.config.source import ConfigError
 from kv_bridge.fidelity import Verdict, run_canary
 
 API_KEY_ENV = "DISAGG_API_KEY"  # a client key for the gateway, on a machine that cannot read auth.api_keys_file
+OPERATOR_KEY_ENV = "DISAGG_OPERATOR_KEY"  # an operator key (auth.operator_keys) where the node secret is not at hand
 
 
 @dataclass
@@ -47,6 +49,20 @@ def client_key(s: Settings, flag: str | None = None) -> ClientKey:
     except ConfigError as e:
         return ClientKey(None, "none", f"no API key here ({e})")
     return ClientKey(keys[0], "the config") if keys else ClientKey(None, "none (the gateway runs open)")
+
+
+def operator_key(s: Settings, flag: str | None = None) -> ClientKey:
+    """What `--recheck` shows the gateway's POST /fidelity: --operator-key, else $DISAGG_OPERATOR_KEY, else the node
+    token derived from the config's node secret (auth.OperatorKeys accepts it), else nothing (an open gateway)."""
+    if flag:
+        return ClientKey(flag, "--operator-key")
+    if os.environ.get(OPERATOR_KEY_ENV):
+        return ClientKey(os.environ[OPERATOR_KEY_ENV], f"${OPERATOR_KEY_ENV}")
+    try:
+        token = s.auth.node_token()
+    except ConfigError as e:
+        return ClientKey(None, "none", f"no operator credential here ({e})")
+    return ClientKey(token, "the node secret") if token else ClientKey(None, "none")
 
 
 def key_line(key: ClientKey, gateway: str | None) -> str | None:
@@ -190,39 +206,64 @@ def _ago(seconds: float) -> str:
 
 
 def _verdict(row: dict) -> Verdict:
-    """A pair of the gateway's POST /fidelity answer; one it could not check (a node down, the canary off) is an
-    "error" verdict that says why."""
+    """A pair of the gateway's verdicts (/health or POST /fidelity); one it holds no verdict for (a node down, the
+    canary off, a restarted node carrying KV provisionally) is an "error" verdict that says why."""
     if row["state"] in ("verified", "failed"):
         return Verdict.from_json(row)
     if row["state"] == "error":
         return Verdict.from_json({**row, "message": row.get("last_error") or row.get("message") or ""})
     why = {"pending": "a node is down", "unchecked": "the gateway's canary is off ([fidelity] enabled)",
-           "checking": "being checked again" + (f": {row['reverify']}" if row.get("reverify") else "")}
+           "checking": "being checked again" + (f": {row['reverify']}" if row.get("reverify") else ""),
+           "provisional": row.get("summary") or "provisional"}
     return Verdict(row["model"], row["prefill"], row["decode"], "error", message=why.get(row["state"], row["state"]))
 
 
-async def _fidelity(http, s: Settings, up: set[str], headers: dict, gw: dict, seen: dict) -> list[Verdict]:
-    """Every pair's canary verdict: from the gateway's POST /fidelity when it answers (each with its Lifecycle as
-    `.lifecycle`), else run here, pair by pair. `seen["gateway"]` records "401" when the gateway wanted a key it did
-    not get."""
+def _rows(rows: list[dict]) -> list[Verdict]:
+    out = []
+    for row in rows:
+        v = _verdict(row)
+        v.lifecycle = Lifecycle.from_row(row)
+        out.append(v)
+    return out
+
+
+async def _gateway_rows(http, s: Settings, gw: dict, op: ClientKey | None, seen: dict) -> list[dict] | None:
+    """The gateway's verdict rows: forced now (`op`: the operator credential, POST /fidelity) or as they stand (its
+    /health); None when no gateway answers or it refused. `seen` records "401" (a client key wanted) and
+    "recheck" (why a forced re-check was refused: the rows then are the standing ones)."""
     try:
-        async with http.post(f"{s.gateway.url()}/fidelity", headers=gw) as r:
-            if r.status == 200:
-                out = []
-                for row in (await r.json())["pairs"]:
-                    v = _verdict(row)
-                    v.lifecycle = Lifecycle.from_row(row)
-                    out.append(v)
-                return out
+        if op is not None:
+            async with http.post(f"{s.gateway.url()}/fidelity", headers=op.headers) as r:
+                if r.status == 200:
+                    return (await r.json())["pairs"]
+                err = (await r.json(content_type=None) or {}).get("error") or {}
+                wait = f" (Retry-After {r.headers['Retry-After']} s)" if "Retry-After" in r.headers else ""
+                seen["recheck"] = f"status: --recheck refused by the gateway ({r.status}{wait}): " \
+                                  f"{err.get('message', '')}; its standing verdicts are shown"
+        async with http.get(f"{s.gateway.url()}/health", headers=gw) as r:
             if r.status == 401:
                 seen["gateway"] = "401"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
-        pass  # no gateway here: ask the nodes themselves
+                return None
+            return (await r.json()).get("fidelity", [])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, AttributeError):
+        return None  # no gateway here
+
+
+async def _fidelity(http, s: Settings, up: set[str], headers: dict, gw: dict, seen: dict,
+                    op: ClientKey | None = None) -> list[Verdict]:
+    """Every pair's canary verdict (each with the gateway's Lifecycle as `.lifecycle`): the gateway's standing ones,
+    or with `op` (--recheck) run now through it; without a gateway, run here pair by pair with --recheck only."""
+    rows = await _gateway_rows(http, s, gw, op, seen)
+    if rows is not None:
+        return _rows(rows)
     out = []
     for m in s.models:
         for p in m.prefill:
             for d in m.decode:
-                if p in up and d in up:
+                if op is None:
+                    out.append(Verdict(m.id, p, d, "error", message="not read: no gateway answers (`disagg status "
+                                       "--recheck` runs the canary against the nodes)"))
+                elif p in up and d in up:
                     out.append(await run_canary(http, m.id, (p, s.node(p).url), (d, s.node(d).url), headers,
                                                 s.fidelity.timeout_s))
                 else:
@@ -243,14 +284,15 @@ async def _queue(http, s: Settings, gw: dict, seen: dict) -> dict | None:
 
 
 async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0, fidelity: bool = True,
-                  key: ClientKey | None = None) -> dict:
+                  key: ClientKey | None = None, recheck: ClientKey | None = None) -> dict:
     """Every node's status, fingerprint consensus, (when probe_bytes > 0) every up pair's KV link and (`fidelity`)
-    every pair's KV fidelity. `key`: the gateway's client key (default: client_key(s))."""
+    every pair's KV fidelity. `key`: the gateway's client key (default: client_key(s)); `recheck`: the operator
+    credential (operator_key(s)) to run every pair's canary now, else the verdicts are read."""
     key = client_key(s) if key is None else key
     gw, seen = key.headers, {}
     token = s.auth.node_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    total = max(timeout, s.fidelity.timeout_s if fidelity else 0) + 60
+    total = max(timeout, s.fidelity.timeout_s if fidelity and recheck else 0) + 60
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total, connect=timeout)) as http:
         nodes = await asyncio.gather(*(_health(http, s, n, headers) for n in s.nodes))
         consensus = agree(nodes)
@@ -265,10 +307,10 @@ async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.
                                                       timeout))
                         else:
                             links.append(LinkStatus(m.id, p, d, error="node down"))
-        verdicts = await _fidelity(http, s, up, headers, gw, seen) if fidelity else []
+        verdicts = await _fidelity(http, s, up, headers, gw, seen, recheck) if fidelity else []
         queue = await _queue(http, s, gw, seen)
     return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts, "queue": queue,
-            "key": key_line(key, seen.get("gateway"))}
+            "key": "\n".join(x for x in (key_line(key, seen.get("gateway")), seen.get("recheck")) if x) or None}
 
 
 def await_fidelity(health_url: str, headers: dict, timeout_s: float, nodes: set[str]) -> list[str]:
@@ -369,10 +411,13 @@ def to_json(result: dict) -> dict:
 
 
 def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0,
-         fidelity: bool = True, api_key: str | None = None) -> int:
+         fidelity: bool = True, api_key: str | None = None, recheck: bool = False,
+         operator: str | None = None) -> int:
     """Exit 0 when every node is up, agrees, every link probe passed and every pair's KV is verified (or vouched for
-    by a [[fidelity.override]]); 1 otherwise."""
-    result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity, client_key(settings, api_key)))
+    by a [[fidelity.override]]); 1 otherwise. `recheck`: run every pair's canary now (the operator credential:
+    `operator`, else $DISAGG_OPERATOR_KEY, else the node token)."""
+    op = operator_key(settings, operator) if recheck else None
+    result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity, client_key(settings, api_key), op))
     print(json.dumps(to_json(result), indent=2) if as_json else render(result, color=sys.stdout.isatty()))
     if result["key"]:
         print(result["key"], file=sys.stderr)

@@ -17,7 +17,7 @@ def measure(bridged: list, reference: list, wire: str) -> dict:
     from kv_bridge.mlx.fidelity_metric import WIRE_FACTOR, head_stats, wire_encode
 
     got, ref = held_pairs(bridged, reference)
-    worst = {"tensor": None, "layer": None, "head": None, "value": 0.0}
+    worst = {"tensor": None, "layer": None, "head": None, "value": -np.inf}
     for li, (b, r) in enumerate(zip(got, ref)):
         for t in ("k", "v"):
             rel = head_stats(b[t], r[t])["rel"]
@@ -27,6 +27,7 @@ def measure(bridged: list, reference: list, wire: str) -> dict:
             h = int(np.argmax(need))
             if need[h] > worst["value"]:
                 worst = {"tensor": t.upper(), "layer": li, "head": h, "value": float(need[h])}
+    worst["value"] = max(0.0, worst["value"])  # within the wire's own: needs no allowance at all
     return {"excess": worst["value"], "excess_at": worst}
 
 
@@ -50,11 +51,3 @@ def nearest(excess_at: dict, allowance: float) -> dict:
 def magnitude_only(findings: list[dict]) -> bool:
     """Every finding reads the error's size alone: placement, position and gain all hold."""
     return bool(findings) and all(f["metric"] in MAGNITUDE for f in findings)
-
-
-def allowance_of(excesses: list[float], margin: float = 1.25, floor: float = 0.02) -> float:
-    """The calibrated allowance from `n` honest canaries' excesses: the worst with a margin (a new canary text
-    reads a little differently), never below `floor` (the same weights' bf16 kernels alone)."""
-    if not excesses:
-        raise ValueError("no canary measured: nothing to calibrate from")
-    return round(max(floor, margin * max(excesses)), 4)

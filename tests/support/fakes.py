@@ -142,6 +142,7 @@ class FakeDecodeNode(FakeNode):
         # The KV fidelity canary (backends/decode/canary.py's routes): the worst relative error this node "measures" on the
         # KV a prefill node delivers; past the float32 tolerance (0.01) the verdict is failed.
         self.fidelity_error = 1e-5
+        self.excess = 0.1  # the rel. RMS allowance past the wire's own it reports needing (calibration)
         self.canaries = 0
         self.canary_hold: asyncio.Event | None = None  # set: every canary's comparison waits for it
         self.canary_bodies: list[dict] = []  # what each /v1/fidelity/expect asked (the pair's weights, an allowance)
@@ -180,7 +181,7 @@ class FakeDecodeNode(FakeNode):
         return web.json_response({**base, "state": "failed" if bad else "verified", "error": self.fidelity_error,
                                   "layer": 3, "tensor": "K", "tolerance": 0.01, "wire_dtype": "float32",
                                   "kv_dtype": "float32", "greedy": "0/8" if bad else "8/8", "kl": 2.0 if bad else 1e-6,
-                                  "seconds": 0.01})
+                                  "seconds": 0.01, "excess": self.excess})
 
     def deliver_kv(self, request_id: str, tokens: int) -> bool:
         t = self._transfers.get(request_id)
