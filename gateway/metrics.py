@@ -104,7 +104,8 @@ class Metrics:
         # The KV fidelity canary per (model, prefill, decode) pair (gateway/cluster/fidelity.py).
         # Values of disagg_kv_fidelity (docs/kv_bridge.md, "Lifecycle"): the last completed comparison that still
         # applies; an error does not move it.
-        self.fidelity = Gauge("disagg_kv_fidelity", "KV fidelity of a prefill -> decode pair: 1 verified, 0 failed, "
+        self.fidelity = Gauge("disagg_kv_fidelity", "KV fidelity of a prefill -> decode pair: 1 verified, 0.5 provisional "
+                              "(verified before a restart that kept its KV identity, re-check pending), 0 failed, "
                               "-1 pending (no comparison yet, or a node changed since), -2 error (the canary could not "
                               "run and no verdict applies)", ["model", "prefill", "decode"], registry=r)
         self.fidelity_error = Gauge("disagg_kv_fidelity_error", "The canary's worst per-layer relative KV error",

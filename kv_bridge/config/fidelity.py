@@ -48,7 +48,7 @@ class FidelitySchedule(BaseModel):
     recheck_min_s: float = Field(default=60.0, ge=0, description="an operator's POST /fidelity (or `disagg status "
                                  "--recheck`) runs a pair's canary at most this often; within it: 429 with "
                                  "Retry-After")
-    calibration_file: Path = Field(default=Path("fidelity-calibration.json"), description="where `disagg fidelity "
+    calibration_file: Path = Field(default=Path(".disagg/fidelity-calibration.json"), description="where `disagg fidelity "
                                    "calibrate` writes each pair's own allowance and the gateway reads it; relative "
                                    "to the config file's folder")
     override: list[FidelityOverride] = Field(default_factory=list, description="[[fidelity.override]]: pairs an "

@@ -531,8 +531,9 @@ class Cluster:
         checks = self._runner.app[STATE].fidelity  # in process: /health may need a key
 
         async def settled() -> bool:
-            return all(row["state"] not in ("pending", "checking") or fakes[row["prefill"]].down
-                       or fakes[row["decode"]].down for row in checks.snapshot())
+            return all(row["state"] not in ("pending", "checking") and not (row["state"] == "provisional"
+                                                                              and not row["last_error"])
+                       or fakes[row["prefill"]].down or fakes[row["decode"]].down for row in checks.snapshot())
         await self.wait_for(settled, timeout)
         return checks.snapshot()
 

@@ -248,7 +248,7 @@ def test_the_fidelity_table_says_stale_and_override_and_the_exit_status_follows_
     ]
     verdicts = []
     for row in rows:
-        v = status._verdict(row)
+        v = status.verdict_of(row)
         v.lifecycle = status.Lifecycle.from_row(row)
         verdicts.append(v)
     assert [status.passes(v) for v in verdicts] == [True, True, False, False]
