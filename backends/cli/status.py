@@ -239,6 +239,7 @@ def render(result: dict, color: bool = False) -> str:
         for v in result["fidelity"]:
             figs, life = v.state != "error", _lifecycle(v)
             state = v.state.upper() if v.state == "failed" else v.state
+            state += " (over allowance)" if v.over_allowance else ""  # flagged: its WARN names the calibrate command
             note = "; ".join(n for n in (v.message, life.note()) if n) or "-"
             rows.append((v.model, f"{v.prefill} -> {v.decode}", state + (" (stale)" if life.stale else ""),
                          f"{v.tensor} layer {v.layer}" if figs else "-", f"{v.error:.2g}" if figs else "-",

@@ -203,6 +203,10 @@ async def test_status_reads_the_verdicts_and_only_recheck_runs_the_canary_with_t
         assert "--recheck refused by the gateway (429 (Retry-After 42 s))" in result["key"]
         assert result["fidelity"][0].error == 0.02  # the standing verdict, read
         assert status.operator_key(settings, "op-flag").source == "--operator-key"
+        over = status.verdict_of({**ROW, "over_allowance": True, "message": "measure this pair's own allowance"})
+        (line,) = [x for x in status.render({"nodes": [], "links": [], "fidelity": [over]}).splitlines()
+                   if "prefill-0 -> decode-0" in x]
+        assert line.startswith("!!") and "verified (over allowance)" in line and status.passes(over)
     finally:
         await gateway.cleanup()
 
