@@ -246,8 +246,10 @@ class Fidelity:
         st = self.pairs[pair]
         ident = self._identity(pair)
         if st.seen is not None and ident != st.seen and st.verdict is not None:
-            log.warning("KV fidelity of %s on %s -> %s: %s; checked again before it carries KV", *pair,
-                        self._changes(st.seen, ident, pair, st.seen_fields))
+            then = ("its KV identity is the same: it carries KV provisionally while it is checked again"
+                    if self._provisional(pair) else "checked again before it carries KV")
+            log.warning("KV fidelity of %s on %s -> %s: %s; %s", *pair,
+                        self._changes(st.seen, ident, pair, st.seen_fields), then)
             st.retry_at, st.failures = 0.0, 0  # a new node is not behind the old one's backoff
         st.seen, st.seen_fields = ident, self._fields(pair)
         if st.task is not None or not self._both_up(pair) or now < st.retry_at:

@@ -49,6 +49,8 @@ async def test_a_restart_with_the_same_kv_identity_carries_kv_provisionally_and_
     assert not (await _row(cluster))["usable"] and await _path(cluster) == "local"
     assert any("FAILED (demoted: it carried KV provisionally after a restart)" in r.getMessage()
                for r in caplog.records)
+    assert any("decode-0 restarted" in r.getMessage() and "carries KV provisionally while it is checked again"
+               in r.getMessage() for r in caplog.records)
 
 
 async def test_a_restart_with_another_kv_identity_is_not_provisional(cluster):
