@@ -201,11 +201,15 @@ def register(app: web.Application, svc) -> None:
         greedy = svc.settings.fidelity.greedy_tokens
         task = m.submit_task(lambda: run(m, ids, kv, greedy, prefix, **opts))
         work = asyncio.wrap_future(task.future)
-        while not work.done():
-            await asyncio.wait({work}, timeout=1.0)
-            if not work.done() and task.started is not None and time.monotonic() - task.started > timeout:
-                task.future.cancel()  # the MLX loop drops a cancelled task at its next step
-                return error(f"the comparison ran longer than {timeout:g}s on the MLX thread")
+        try:
+            while not work.done():
+                await asyncio.wait({work}, timeout=1.0)
+                if not work.done() and task.started is not None and time.monotonic() - task.started > timeout:
+                    task.future.cancel()  # the MLX loop drops a cancelled task at its next step
+                    return error(f"the comparison ran longer than {timeout:g}s on the MLX thread")
+        except asyncio.CancelledError:  # the caller went: the MLX thread need not finish it
+            task.future.cancel()
+            raise
         try:
             out = work.result()
         except Exception as e:  # the comparison itself broke (logged by the MLX loop): the canary did not run
