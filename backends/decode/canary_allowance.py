@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-MAGNITUDE = ("rel. RMS",)  # the metric(s) that read the error's size alone, not where or at what scale it sits
+PAST_WIRE = "rel. RMS past the wire"  # a head's rel. RMS less WIRE_FACTOR x the wire's own: what an allowance covers
+MAGNITUDE = ("rel. RMS", PAST_WIRE)  # the metrics that read the error's size alone, not where or at what scale
 
 
 def measure(bridged: list, reference: list, wire: str) -> dict:
@@ -36,7 +37,7 @@ def rejudge(findings: list[dict], excess_at: dict, allowance: float) -> list[dic
     when this canary's excess is beyond it; the furthest past its tolerance first."""
     out = [f for f in findings if f["metric"] not in MAGNITUDE]
     if excess_at["value"] > allowance:
-        out.append({"metric": "rel. RMS", "tensor": excess_at["tensor"], "layer": excess_at["layer"],
+        out.append({"metric": PAST_WIRE, "tensor": excess_at["tensor"], "layer": excess_at["layer"],
                     "head": excess_at["head"], "value": excess_at["value"], "tolerance": allowance,
                     "what": "error beyond the wire and the pair's calibrated allowance"})
     return sorted(out, key=lambda f: -f["value"] / max(f["tolerance"], 1e-30))
@@ -44,7 +45,7 @@ def rejudge(findings: list[dict], excess_at: dict, allowance: float) -> list[dic
 
 def nearest(excess_at: dict, allowance: float) -> dict:
     """The worst figure of a canary judged by a calibrated allowance that nothing failed."""
-    return {"metric": "rel. RMS", "tensor": excess_at["tensor"], "layer": excess_at["layer"],
+    return {"metric": PAST_WIRE, "tensor": excess_at["tensor"], "layer": excess_at["layer"],
             "head": excess_at["head"], "value": excess_at["value"], "tolerance": allowance}
 
 
