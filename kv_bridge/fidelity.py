@@ -61,6 +61,9 @@ class FidelityConfig(FidelitySchedule):
                                "(its own MLX prefill, as its prefix store would), the rest arriving as KV appended to "
                                "it: the prefix-reuse path; 0: the whole canary arrives as KV")
     timeout_s: float = Field(default=120.0, gt=0, description="one canary, prefill to verdict")
+    traffic_check: bool = Field(default=True, description="the decode node recomputes layer 0's K/V of every "
+                                "transfer (about 1/L of a prefill) and tests each position against what arrived; a "
+                                "failure prefills that request locally and demotes the pair (kv_bridge/mlx/traffic.py)")
     retry_s: float = Field(default=30.0, gt=0, description="a canary that could not run (not a failed one) runs "
                            "again after this")
 
@@ -99,6 +102,8 @@ class Verdict:
         """One line: what an operator reads in `disagg status`, /health and the WARN log."""
         if self.state == "error":
             return f"not checked: {self.message}"
+        if self.error is None:  # a verdict without a figure (real traffic's demotion): its message says it all
+            return f"{self.state}: {self.message}"
         where = f"{self.tensor} layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
         fig = f"{where} {self.metric or 'rel. error'} {self.error:.2g} (tolerance {self.tolerance:.2g})"
         kl = "" if self.kl is None else f", next-token KL {self.kl:.2g}"
