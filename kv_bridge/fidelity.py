@@ -61,6 +61,10 @@ class FidelityConfig(FidelitySchedule):
                                "(its own MLX prefill, as its prefix store would), the rest arriving as KV appended to "
                                "it: the prefix-reuse path; 0: the whole canary arrives as KV")
     timeout_s: float = Field(default=120.0, gt=0, description="one canary, prefill to verdict")
+    start_canary_tokens: int = Field(default=2304, ge=0, description="the first canary of a pair after a decode "
+                                     "node starts is at least this long: past the prefill node's "
+                                     "max_num_batched_tokens (set it so), it spans several prefill steps and fp8 "
+                                     "frames per layer; 0: no long canary")
     traffic_check: bool = Field(default=True, description="the decode node recomputes layer 0's K/V of every "
                                 "transfer (about 1/L of a prefill) and tests each position against what arrived; a "
                                 "failure prefills that request locally and demotes the pair (kv_bridge/mlx/traffic.py)")
@@ -134,7 +138,7 @@ async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[s
     pname, purl = prefill
     dname, durl = decode
     try:
-        exp = await _call(http, "POST", durl + "/v1/fidelity/expect", headers, json={"model": model})
+        exp = await _call(http, "POST", durl + "/v1/fidelity/expect", headers, json={"model": model, "prefill": pname})
         tid = exp["transfer_id"]
         waiting = asyncio.ensure_future(_call(http, "GET", f"{durl}/v1/fidelity/{tid}", headers,
                                               params={"timeout": str(timeout_s)}))
