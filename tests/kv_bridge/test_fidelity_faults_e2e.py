@@ -35,12 +35,13 @@ def split(tmp_path_factory):
     folder = tmp_path_factory.mktemp("faults")
     fault_file = folder / "fault"
     fault_file.write_text("")
-    s = Stack(folder, env={"DISAGG_FIDELITY__PREFIX_TOKENS": "64"})
+    # the first canary 300 tokens long: five engine steps of 64 (the site's: past max_num_batched_tokens)
+    s = Stack(folder, env={"DISAGG_FIDELITY__PREFIX_TOKENS": "64", "DISAGG_FIDELITY__START_CANARY_TOKENS": "300"})
     s.launchers["prefill-0"] = FAULTY
     with s.running(["decode-0", "gateway"]):
         s.start("prefill-0", env={**WIRE, "DISAGG_TEST_KV_FAULT_FILE": str(fault_file)})
         s.wait_gateway_sees("prefill-0", timeout=300)
-        s.wait_fidelity(timeout=300)
+        s.first_canary = s.wait_fidelity(timeout=300)
         s.fault_file = fault_file
         yield s
 
@@ -56,6 +57,11 @@ def _verdict(split: Stack, fault: str) -> dict:
         (row,) = json.loads(r.read())["pairs"]
     print(f"\n{fault or 'none':<10} {row['state']:<9} {row['summary']}")
     return row
+
+
+def test_the_first_canary_spans_several_prefill_steps(split):
+    (row,) = split.first_canary
+    assert (row["state"], row["prefix"]) == ("verified", 64) and row["tokens"] >= 299, row
 
 
 @pytest.mark.parametrize("fault", ["", "kv_swap", "heads", "v_scale", "k_scale", "positions"])
