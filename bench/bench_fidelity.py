@@ -139,7 +139,7 @@ def run(args) -> dict:
                 # half of the honest canaries, judged on the second half: no false alarm may come of it.
                 cal = judged[:max(1, len(judged) // 2)]
                 band = gain_band([j for _, _, j in cal])
-                later = [not judge(g, r, wire, weights, CHUNK, rope, band=band)["findings"]
+                later = [judge(g, r, wire, weights, CHUNK, rope, band=band)["findings"][:1]
                          for g, r, _ in judged[len(cal):]]
                 faults = {}
                 for name, fault in FAULTS.items():
@@ -150,7 +150,8 @@ def run(args) -> dict:
                     faults[name] = {"caught": bool(j["findings"]), "worst": j["worst"],
                                     "caught_calibrated": bool(jb["findings"]), "worst_calibrated": jb["worst"]}
                 results[key] = {"verified": sum(h["ok"] for h in honest), "canaries": len(honest),
-                                "verified_calibrated": sum(later), "judged_calibrated": len(later),
+                                "verified_calibrated": sum(not f for f in later), "judged_calibrated": len(later),
+                                "false_alarms_calibrated": [f for f in later if f][:3],
                                 "false_alarms": [h["first"] for h in honest if not h["ok"]][:3],
                                 "worst_honest": max((h["worst"] for h in honest),
                                                     key=lambda w: w["value"] / w["tolerance"]),

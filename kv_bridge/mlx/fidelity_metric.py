@@ -127,8 +127,10 @@ def arrived(layers: list[dict], start: int) -> list[dict]:
 # Gain per KV head (issue #50: one head of four x1.2 read ~1.05 per layer). Its lower bound comes from the pair's
 # calibrated spread (`gain_band`, from honest canaries of the pair) or else the weights' allowance: never from the
 # judged layer's own error, which a fault widens (V x0.88 passed at an honest error of 0.3).
-GAIN_CALIBRATED = 3.0  # a calibrated band: each head's honest gains, widened by this many standard deviations ...
-GAIN_MIN_WIDTH = 0.02  # ... and at least this
+# A calibrated band: each head's honest gains, widened by this many standard deviations and at least GAIN_MIN_WIDTH
+# (3 and 0.02 failed 1 of 5 held-out SmolLM2 4-bit canaries: 180 heads a canary, few calibration canaries).
+GAIN_CALIBRATED = 5.0
+GAIN_MIN_WIDTH = 0.03
 # Positions on every layer: faults come in blocks (a block, a step, a window), noise does not. A run of at least
 # POS_RUN positions each past POS_FACTOR x the layer's own median error (+ the wire's own, + POS_ABS) is misplaced.
 POS_FACTOR, POS_RUN, POS_ABS = 4.0, 4, 0.05
