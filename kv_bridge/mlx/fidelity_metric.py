@@ -151,9 +151,12 @@ def gain_band(honest: list[dict]) -> list[dict]:
 
 
 def _gain_findings(li: int, t: str, gains: np.ndarray, band: tuple | None, a_rel: float, gtol: float) -> list:
-    """Heads whose gain lies outside the pair's calibrated band, or without one [1 / (1 + a_rel^2), 1] +- gtol."""
+    """Heads whose gain lies outside the pair's calibrated band, or without one [1 / (1 + a_rel^2), 1] +- gtol. A
+    calibrated band tightens the lower bound only: honest noise never lifts a gain past 1 + gtol (a held-out SmolLM2
+    4-bit canary's K head read 1.012 over a calibrated 1.001), so the upper bound stays the class's."""
     lo, hi = band if band is not None else (np.full(gains.shape, 1 / (1 + a_rel ** 2) - gtol),
                                             np.full(gains.shape, 1 + gtol))
+    hi = np.maximum(hi, 1 + gtol)
     out = []
     for h in np.flatnonzero((gains < lo) | (gains > hi)):
         g = float(gains[h])
