@@ -128,9 +128,9 @@ def arrived(layers: list[dict], start: int) -> list[dict]:
 # calibrated spread (`gain_band`, from honest canaries of the pair) or else the weights' allowance: never from the
 # judged layer's own error, which a fault widens (V x0.88 passed at an honest error of 0.3).
 # A calibrated band: each head's honest gains, widened by this many standard deviations and at least GAIN_MIN_WIDTH
-# (3 and 0.02 failed 1 of 5 held-out SmolLM2 4-bit canaries: 180 heads a canary, few calibration canaries).
+# (3 and 0.02, then 5 and 0.03, failed 1 of 5 held-out SmolLM2 4-bit canaries: 180 heads a canary, 5 to calibrate).
 GAIN_CALIBRATED = 5.0
-GAIN_MIN_WIDTH = 0.03
+GAIN_MIN_WIDTH = 0.06
 # Positions on every layer: faults come in blocks (a block, a step, a window), noise does not. A run of at least
 # POS_RUN positions each past POS_FACTOR x the layer's own median error (+ the wire's own, + POS_ABS) is misplaced.
 POS_FACTOR, POS_RUN, POS_ABS = 4.0, 4, 0.05
