@@ -93,7 +93,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # The node credential rides on every call, health checks included.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=app[auth.NODE_HEADERS])
     st.orchestrator = Orchestrator(st.settings, session, st.pool,
-                                   lambda model_id, ids: st.tokenizers[model_id].decode(ids), st.fidelity.usable)
+                                   lambda model_id, ids: st.tokenizers[model_id].decode(ids), st.fidelity.usable,
+                                   st.fidelity.demote)
     # One round before serving, so the first request does not see every node as down.
     await st.pool.poll_once(session)
     tasks = [asyncio.create_task(st.pool.run(session), name="gateway-health-poller"),

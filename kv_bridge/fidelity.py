@@ -83,6 +83,13 @@ class FidelityConfig(FidelitySchedule):
     mlx_budget_s: float = Field(default=2.0, gt=0, description="seconds of the decode node's MLX thread the canary "
                                 "may use ahead of each batch step (its steps run before the batch's, so a busy batch "
                                 "cannot starve it)")
+    start_canary_tokens: int = Field(default=2304, ge=0, description="the first canary of a pair after a decode "
+                                     "node starts is at least this long: past the prefill node's "
+                                     "max_num_batched_tokens (set it so), it spans several prefill steps and fp8 "
+                                     "frames per layer; 0: no long canary")
+    traffic_check: bool = Field(default=True, description="the decode node recomputes layer 0's K/V of every "
+                                "transfer (about 1/L of a prefill) and tests each position against what arrived; a "
+                                "failure prefills that request locally and demotes the pair (kv_bridge/mlx/traffic.py)")
     retry_s: float = Field(default=30.0, gt=0, description="a canary that could not run (not a failed one) runs "
                            "again after this")
 
@@ -124,6 +131,8 @@ class Verdict:
         """One line: what an operator reads in `disagg status`, /health and the WARN log."""
         if self.state == "error":
             return f"not checked: {self.message}"
+        if self.error is None:  # a verdict without a figure (real traffic's demotion): its message says it all
+            return f"{self.state}: {self.message}"
         where = f"{self.tensor} layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
         fig = f"{where} {self.metric or 'rel. error'} {self.error:.2g} (tolerance {self.tolerance:.2g})"
         kl = "" if self.kl is None else f", next-token KL {self.kl:.2g}"
@@ -164,7 +173,8 @@ async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[s
     pname, purl = prefill
     dname, durl = decode
     try:
-        exp = await _call(http, "POST", durl + "/v1/fidelity/expect", headers, json={**(expect or {}), "model": model})
+        exp = await _call(http, "POST", durl + "/v1/fidelity/expect", headers,
+                          json={**(expect or {}), "model": model, "prefill": pname})
         tid = exp["transfer_id"]
         read = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s + 4 * HEARTBEAT_S)
         waiting = asyncio.ensure_future(_call(http, "GET", f"{durl}/v1/fidelity/{tid}", headers,

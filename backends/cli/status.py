@@ -237,7 +237,7 @@ def render(result: dict, color: bool = False) -> str:
         rows = [("MODEL", "PREFILL -> DECODE", "KV FIDELITY", "WORST", "REL. ERROR", "TOLERANCE", "GREEDY", "KL",
                  "NOTE")]
         for v in result["fidelity"]:
-            figs, life = v.state != "error", _lifecycle(v)
+            figs, life = v.state != "error" and v.error is not None, _lifecycle(v)  # real traffic: no figure
             state = v.state.upper() if v.state == "failed" else v.state
             state += " (over allowance)" if v.over_allowance else ""  # flagged: its WARN names the calibrate command
             note = "; ".join(n for n in (v.message, life.note()) if n) or "-"

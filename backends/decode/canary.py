@@ -20,6 +20,7 @@ from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body
 from backends.decode import canary_allowance
+from backends.decode.canary_plan import CanaryPlan
 from kv_bridge.fidelity import HEARTBEAT_S, Verdict, allowance_class, calibrate_command, kl_tolerance
 from kv_bridge.fingerprint import weight_precision
 from kv_bridge.receiver import TransferError
@@ -40,10 +41,11 @@ _SENTENCES = [
 QUESTION = "Who built the four extra boats, and from what? Answer in one sentence."
 
 
-def canary_ids(m, want: int, variant: int = 0) -> list[int]:
+def canary_ids(m, want: int, variant: int = 0, nonce: str = "") -> list[int]:
     """The canary prompt: prose grown to at least `want` tokens, chat-templated as a request is (MLX's tokenizer);
-    `variant` starts it at another sentence (calibration's varied canaries)."""
-    tok, text, i = m.tokenizer, "", variant
+    `variant` starts it at another sentence (calibration's varied canaries), `nonce` opens it (a prompt no cache has
+    seen)."""
+    tok, text, i = m.tokenizer, f"Ledger {nonce}." if nonce else "", variant
     while True:
         text += (" " if text else "") + _SENTENCES[i % len(_SENTENCES)]
         i += 1
@@ -159,6 +161,7 @@ def register(app: web.Application, svc) -> None:
     """Canary routes on a decode node; `svc` is the DecodeService (models, receiver, settings, node)."""
     pending: dict[str, tuple] = {}  # transfer id -> (model, canary ids, prefix, options)
     lengths: dict[str, int] = {}
+    rounds = CanaryPlan()
 
     def _drop(tid: str) -> None:
         if pending.pop(tid, None) is not None:
@@ -173,8 +176,12 @@ def register(app: web.Application, svc) -> None:
             raise NodeError(503, m.failure, "engine_dead")
         cfg, opts = svc.settings.fidelity, _options(body, m)
         want = lengths.setdefault(m.model_id, canary_length(m, cfg.canary_tokens))
-        ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, want, opts.pop("variant"))
-        prefix = body.get("prefix_tokens", cfg.prefix_tokens)
+        longest = next((r.max_model_len for r in svc.settings.models if r.id == m.model_id), None) or 1 << 30
+        plan = rounds.next(m.model_id, str(body.get("prefill") or ""), want,
+                           min(cfg.start_canary_tokens, longest // 2), cfg.prefix_tokens)  # canary_plan.py
+        ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, plan.tokens, opts.pop("variant"),
+                                                               plan.nonce)
+        prefix = body.get("prefix_tokens", plan.prefix)
         if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
             raise bad_request(f"prefix_tokens must be a non-negative integer, got {prefix!r}")
         prefix = min(prefix, len(ids) - 2)  # at least one token's KV arrives

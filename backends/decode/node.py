@@ -24,7 +24,7 @@ from backends.decode.sampling import StopMatcher, parse_sampling
 from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
-from kv_bridge.protocol import DoneLine, Sampling, accepted_line, error_line
+from kv_bridge.protocol import DoneLine, Fallback, Sampling, accepted_line, error_line
 from kv_bridge.fingerprint import model_quantization, weight_precision
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
@@ -139,6 +139,8 @@ class DecodeService:
             await _line(resp, accepted_line(rid, p if kv_tokens else None))
             t0 = time.perf_counter()
             kv, arrived = await self._await_kv(transfer, kv_tokens - p)
+            if kv is not None and self.settings.fidelity.traffic_check:
+                kv, arrived = await self._check_kv(m, ids, kv, arrived, rid)
             done = replace(arrived, prompt_tokens=len(ids), prefix_tokens=p,
                            computed_tokens=len(ids) - arrived.kv_tokens - p)
             self.metrics.finished(m.model_id, p, done.kv_tokens, done.kv_bytes, done.computed_tokens,
@@ -180,6 +182,30 @@ class DecodeService:
             return None, replace(none, fallback_reason=e.reason)
         return kv, replace(none, kv_tokens=kv_tokens, kv_transfer_s=kv.seconds, kv_bytes=kv.nbytes,
                            kv_link_s=kv.link_s)
+
+    async def _check_kv(self, m: MLXModel, ids: list[int], kv, arrived: DoneLine, rid: str):
+        """The real-traffic check (kv_bridge/mlx/traffic.py) on the MLX thread: (kv, arrived) unchanged when layer 0
+        is the prompt's; else the KV is dropped, the request prefills locally and its done line says why (kv_fidelity,
+        kv_check), so the gateway demotes the pair. A check that cannot run never holds a request back."""
+        from backends.decode.kv_check import traffic_check
+
+        try:
+            out = await asyncio.wrap_future(m.run_task(lambda: traffic_check(m, ids, kv)))
+        except Exception as e:
+            self.metrics.kv_checks.labels(m.model_id, "error").inc()
+            log.warning("request %s: the real-traffic KV check could not run (%s: %s); decoding on the KV", rid,
+                        type(e).__name__, e)
+            return kv, arrived
+        self.metrics.kv_check_seconds.labels(m.model_id).inc(out["seconds"])
+        if out["ok"]:
+            self.metrics.kv_checks.labels(m.model_id, "passed").inc()
+            return kv, arrived
+        self.metrics.kv_checks.labels(m.model_id, "failed").inc()
+        what = out["message"]
+        log.warning("request %s: KV of %d tokens failed the real-traffic check: %s; prefilling locally", rid,
+                    out["tokens"], what)
+        kv.release()
+        return None, DoneLine("length", 0, 0, fallback_reason=Fallback.KV_FIDELITY, kv_check=what)
 
     async def _stream(self, resp, m: MLXModel, job: Job, done: DoneLine, t0: float) -> None:
         """Relay the job's tokens (stop strings matched here), then its done line, or an error line."""

@@ -316,6 +316,17 @@ class Fidelity:
                 *pair, " (demoted: it carried KV provisionally after a restart)" if provisional else "", cause,
                 v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
 
+    def demote(self, model: str, prefill: str, decode: str, finding: str) -> None:
+        """A real request's KV failed the decode node's layer-0 check (its done line's kv_check): the pair is failed
+        now, as a failed canary would leave it (the canary, after the backoff, may verify it again: a fault only
+        long prompts reach then fails the next long request again, each answered by a local prefill)."""
+        pair = (model, prefill, decode)
+        if pair not in self.pairs:
+            return
+        v = Verdict(model, prefill, decode, "failed", metric="real-traffic position error",
+                    message=f"a request's KV failed the decode node's layer-0 check: {finding}")
+        self._record(pair, v, self._identity(pair), self._fields(pair))
+
     def _consequence(self, pair: Pair) -> str:
         ov = self.cfg.override_for(*pair)
         if ov is not None:

@@ -110,7 +110,7 @@ class _Transfer:
 
 
 class FakeDecodeNode(FakeNode):
-    """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
+    """Modes: None, "kv_error" (report fallback), "kv_fidelity" (the KV arrived and failed the real-traffic check), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
     "http_500" (answer 500 before any stream starts), "kv_capacity" (answer 429 to requests that want KV and to the
     fidelity canary, as a real decode node over its kv.max_inflight_bytes does). A mid-stream failure comes after `break_after` tokens.
 
@@ -265,6 +265,8 @@ class FakeDecodeNode(FakeNode):
             return 0, "kv_aborted"
         if self.mode == "kv_error" or t.delivered != t.expected:
             return 0, "kv_error"
+        if self.mode == "kv_fidelity":  # arrived, but its layer 0 failed the real-traffic check
+            return 0, "kv_fidelity"
         return t.expected, None
 
     def _continued(self, prompt: list[int]) -> int:
@@ -307,6 +309,7 @@ class FakeDecodeNode(FakeNode):
             "computed_tokens": n - kv_tokens - prefix, "fallback_reason": fallback,
             "kv_transfer_s": 0.02 if kv_tokens else 0.0, "kv_link_s": 0.005 if kv_tokens else 0.0,
             "kv_bytes": kv_tokens * 1000, "ttft_s": 0.01,
+            **({"kv_check": "K layer 0 position 40 error 1.4 (tolerance 0.1)"} if fallback == "kv_fidelity" else {}),
         })
 
     @staticmethod

@@ -85,6 +85,7 @@ dtype = "float32"
 [fidelity]
 enabled = {'true' if fidelity else 'false'}
 canary_tokens = 136
+start_canary_tokens = 0
 greedy_tokens = 4
 recheck_min_s = 0
 
