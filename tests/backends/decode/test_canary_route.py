@@ -33,25 +33,26 @@ def _service(model_dir) -> DecodeService:
 
 
 def _prefill_route(m):
-    """POST /v1/prefill as a prefill node answers it: the KV of token_ids (MLX's own, as vLLM's float32 matches it)
-    pushed to kv_target, layer by layer."""
+    """POST /v1/prefill as a prefill node answers it: the KV of token_ids from kv_start on (MLX's own, as vLLM's
+    float32 matches it) pushed to kv_target, layer by layer."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from kv_bridge.mlx.cache import cache_kv
 
     def push(body: dict) -> None:
-        ids, spec, target = body["token_ids"], m.spec, body["kv_target"]
+        ids, spec, target, start = body["token_ids"], m.spec, body["kv_target"], body.get("kv_start", 0)
         cache = make_prompt_cache(m.model)
         m.model(mx.array(ids)[None], cache=cache)  # its own model copy's thread would be vLLM's; here: same weights
         k, v = cache_kv(cache, len(ids))
         s = KVSender(max_bytes=64 << 20)
         s.open(wire.StreamHeader(transfer_id=body["request_id"], fingerprint=spec["fingerprint"],
                                  num_layers=spec["num_layers"], num_kv_heads=spec["num_kv_heads"],
-                                 head_dim=spec["head_dim"], dtype="float32", start=0, num_tokens=len(ids)),
+                                 head_dim=spec["head_dim"], dtype="float32", start=start, num_tokens=len(ids) - start),
                target["host"], target["port"])
         for layer in range(k.shape[0]):
-            s.send_layer(body["request_id"], layer, 0, np.ascontiguousarray(k[layer]), np.ascontiguousarray(v[layer]))
+            s.send_layer(body["request_id"], layer, start, np.ascontiguousarray(k[layer][:, start:]),
+                         np.ascontiguousarray(v[layer][:, start:]))  # from kv_start, as a prefill node sends
         s.close(body["request_id"])
         s.flush()
         s.shutdown()

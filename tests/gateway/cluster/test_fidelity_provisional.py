@@ -72,7 +72,8 @@ async def test_the_canary_is_told_the_prefill_weights_and_a_calibration_of_these
     c.prefills[0].weights = {"scheme": "fp8", "bits": 8}
     await c.start()
     try:
-        assert c.decode.canary_bodies[-1] == {"model": MODEL_ID, "prefill_weights": {"scheme": "fp8", "bits": 8}}
+        assert c.decode.canary_bodies[-1] == {"model": MODEL_ID, "prefill": "prefill-0",
+                                              "prefill_weights": {"scheme": "fp8", "bits": 8}}
         cal = dict(model=MODEL_ID, prefill="prefill-0", decode="decode-0", allowance=0.5, weights="4",
                    prefill_kv="kv0", decode_kv="kv0", date="2026-11-28T06:40:00Z", reason="20 canaries")
         write_calibration(path, FidelityCalibration(**cal))
