@@ -10,6 +10,7 @@ import logging
 import platform
 import uuid
 from importlib import metadata
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -104,6 +105,27 @@ def kv_identity(fields: dict) -> dict:
     a pair's KV again before it carries traffic when the digest changes (gateway/cluster/fidelity.py)."""
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
     return {"digest": hashlib.sha256(blob).hexdigest()[:16], **fields}
+
+
+_CODE: list[str] = []  # the KV path's code digest, once per process
+
+
+def project_version() -> str:
+    """This project's version and a digest of the KV path's code (kv_bridge/): an upgrade that changes how KV is laid
+    out, sent or rebuilt moves a node's KV identity even when the package version does not."""
+    if not _CODE:
+        import kv_bridge
+
+        root = Path(kv_bridge.__file__).resolve().parent
+        h = hashlib.sha256()
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+        _CODE.append(h.hexdigest()[:12])
+    try:
+        version = metadata.version("disagg")
+    except metadata.PackageNotFoundError:
+        version = "-"
+    return f"{version} {_CODE[0]}"
 
 
 def versions(*dists: str) -> dict[str, str]:

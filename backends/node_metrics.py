@@ -73,6 +73,11 @@ class DecodeMetrics:
                                       ["model", "reason"], registry=r)
         self.kv_bytes_received = Counter("disagg_decode_kv_received_bytes", "KV bytes received from prefill nodes",
                                          ["model"], registry=r)
+        # The real-traffic KV check (kv_bridge/mlx/traffic.py): passed | failed (prefilled locally) | error (not run)
+        self.kv_checks = Counter("disagg_decode_kv_checks", "Transfers whose layer 0 was checked, by result",
+                                 ["model", "result"], registry=r)
+        self.kv_check_seconds = Counter("disagg_decode_kv_check_seconds", "MLX thread seconds spent on the "
+                                        "real-traffic KV check", ["model"], registry=r)
         r.register(_Gauges(svc))
         # process_cpu_seconds_total, memory, open fds (Linux; none on macOS): what vLLM's registry has on the prefill
         # node

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 from typing import AsyncIterator
 
@@ -58,15 +59,26 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if serving else 503)
 
 
+OPERATORS = web.AppKey("disagg_operators", auth.OperatorKeys)
+
+
 async def fidelity(request: web.Request) -> web.Response:
     """POST /fidelity[?model=M]: run the KV fidelity canary of every up pair now (of model M) and answer the verdicts
-    (gateway/cluster/fidelity.py); an operator's endpoint, behind the client keys when they are set."""
+    (gateway/cluster/fidelity.py); an operator's endpoint (auth.OperatorKeys: never a client key), at most every
+    [fidelity] recheck_min_s per pair (429 with Retry-After within it). GET /health reads the verdicts freely."""
+    request.app[OPERATORS].check(request.headers.get("Authorization"))
     st = request.app[STATE]
     model = request.query.get("model")
     if model is not None:
         model = st.route(model).id
     if st.orchestrator is None:
         raise web.HTTPServiceUnavailable()
+    wait = st.fidelity.recheck_wait(model)
+    if wait > 0:
+        raise auth.OperatorError(f"a KV fidelity re-check of these pairs was forced less than "
+                                 f"{st.settings.fidelity.recheck_min_s:g}s ago ([fidelity] recheck_min_s); their "
+                                 f"verdicts are in GET /health", status=429, code="too_soon",
+                                 headers={"Retry-After": str(math.ceil(wait))})
     return web.json_response({"pairs": await st.fidelity.check_now(st.orchestrator.client.session, model)})
 
 
@@ -81,7 +93,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # The node credential rides on every call, health checks included.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=app[auth.NODE_HEADERS])
     st.orchestrator = Orchestrator(st.settings, session, st.pool,
-                                   lambda model_id, ids: st.tokenizers[model_id].decode(ids), st.fidelity.usable)
+                                   lambda model_id, ids: st.tokenizers[model_id].decode(ids), st.fidelity.usable,
+                                   st.fidelity.demote)
     # One round before serving, so the first request does not see every node as down.
     await st.pool.poll_once(session)
     tasks = [asyncio.create_task(st.pool.run(session), name="gateway-health-poller"),
@@ -99,7 +112,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 def _open_handlers(cfg: AuthConfig) -> set:
     """The root routes a caller without a key may use: the liveness probes and /metrics, unless protected."""
-    out = set()
+    out = {fidelity}  # its own check: an operator's credential, not a client key (auth.OperatorKeys)
     if not cfg.protect_health:
         out |= {health, *(probe for api in APIS for probe in api.PROBES)}  # e.g. Ollama's "/" ("Ollama is running")
     if not cfg.protect_metrics:
@@ -123,6 +136,7 @@ def create_app(settings: Settings) -> web.Application:
                           client_max_size=MAX_BODY_BYTES)  # the root app reads every body, sub-apps' too
     app[STATE] = state
     app[auth.NODE_HEADERS] = auth.node_headers(settings.auth)
+    app[OPERATORS] = auth.OperatorKeys(settings.auth, keys)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -91,6 +91,39 @@ def api_keys(cfg: AuthConfig) -> APIKeys | None:
     return APIKeys(keys) if keys else None
 
 
+class OperatorError(APIError):
+    """A forced KV fidelity re-check by a caller that is not an operator (403), or too soon (429)."""
+
+    status = 403
+    type = "permission_error"
+    code = "operator_only"
+
+
+class OperatorKeys:
+    """Who may force a KV fidelity re-check (POST /fidelity): anyone while the gateway has no client keys (it is open
+    anyway: the embedded default); with them, an operator key or the node token, never a client key."""
+
+    def __init__(self, cfg: AuthConfig, clients: APIKeys | None):
+        creds = cfg.operator_credentials() if clients is not None else []
+        self.open, self.clients = clients is None, clients
+        self.keys = APIKeys(creds) if creds else None
+
+    def check(self, authorization: str | None) -> None:
+        """Raise the 401/403 for a caller that is not an operator."""
+        if self.open:
+            return
+        if self.keys is None:
+            raise OperatorError("POST /fidelity forces a KV re-check and needs an operator credential, and this "
+                                "gateway has none: set [auth] operator_keys (or a node secret: its node token)")
+        problem = self.keys.check(authorization)
+        if problem is None:
+            return
+        if problem == "invalid" and self.clients.check(authorization) is None:
+            raise OperatorError("a client key cannot force a KV fidelity re-check: send an operator key ([auth] "
+                                "operator_keys) or the node token (`disagg status --recheck --config F` does)")
+        raise refusal(problem)
+
+
 def node_headers(cfg: AuthConfig) -> dict[str, str]:
     """What every gateway -> node request carries: the node token derived from the node secret, if one is set."""
     token = cfg.node_token()

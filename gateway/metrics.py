@@ -18,7 +18,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 
 # Why a request left its first-choice path; the only values disagg_fallbacks_total{reason} takes.
 FALLBACK_REASONS = ("decode_node_failed", "decode_node_busy", "decode_failover", "prefill_node_failed",
-                    "kv_timeout", "kv_error", "kv_aborted", "upstream", "no_capacity")
+                    "kv_timeout", "kv_error", "kv_aborted", "kv_fidelity", "upstream", "no_capacity")
 # Why a prefill call failed (disagg_prefill_failures_total{node,kind}): unreachable (no connection), refused (an
 # HTTP error answer), broken (the call dropped midway), node_down (health checks marked it down during the call),
 # stalled (the node answered no prefill call for [gateway] prefill_stall_s while this one ran).
@@ -104,7 +104,8 @@ class Metrics:
         # The KV fidelity canary per (model, prefill, decode) pair (gateway/cluster/fidelity.py).
         # Values of disagg_kv_fidelity (docs/kv_bridge.md, "Lifecycle"): the last completed comparison that still
         # applies; an error does not move it.
-        self.fidelity = Gauge("disagg_kv_fidelity", "KV fidelity of a prefill -> decode pair: 1 verified, 0 failed, "
+        self.fidelity = Gauge("disagg_kv_fidelity", "KV fidelity of a prefill -> decode pair: 1 verified, 0.5 provisional "
+                              "(verified before a restart that kept its KV identity, re-check pending), 0 failed, "
                               "-1 pending (no comparison yet, or a node changed since), -2 error (the canary could not "
                               "run and no verdict applies)", ["model", "prefill", "decode"], registry=r)
         self.fidelity_error = Gauge("disagg_kv_fidelity_error", "The canary's worst per-layer relative KV error",

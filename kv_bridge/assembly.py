@@ -76,6 +76,7 @@ class ReceivedKV:
     dtype: str = "float32"
     _release: Callable[[], None] | None = field(default=None, repr=False)
     wire_dtype: str = "float32"  # how it travelled (the fidelity canary's tolerance depends on it)
+    layer_first: np.ndarray | None = field(default=None, repr=False)  # per layer, the first position sent (windows)
 
     def release(self) -> None:
         """The KV has been copied out: its buffers go back to the receiver's pool. keys/values are unusable after."""
@@ -263,7 +264,7 @@ class Transfer:
         bufs, pool = self._bufs, self.pool
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
         kv = ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
-                        self._link_s, self.dtype, release, self._first.dtype)
+                        self._link_s, self.dtype, release, self._first.dtype, self._layer_first.copy())
         self._end(lambda: self.future.done() or self.future.set_result(kv))
 
     def fail(self, reason: str, message: str) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from dataclasses import asdict, dataclass, field
 
+import aiohttp
 from pydantic import Field
 
 from kv_bridge.config.fidelity import FidelitySchedule
@@ -45,6 +46,23 @@ def kl_tolerance(*dtypes: str) -> float:
     return _coarsest(KL_TOLERANCE, dtypes)
 
 
+def allowance_class(prefill: dict | None, decode: dict | None) -> str:
+    """The canary's allowance class (WEIGHTS in kv_bridge/mlx/fidelity_metric.py) for a pair, from both sides'
+    weight_precision() (kv_bridge/fingerprint.py): "full" when both hold the same weights (both unquantized, or the
+    same scheme and bits: gpt-oss's MXFP4 experts on a Spark and a Mac), else the coarser side's bits: "8" (FP8 Spark
+    before a bf16 Mac), "4" (FP8 before MLX 4-bit). A side that does not say counts as unquantized."""
+    p, d = (w or {"scheme": "none", "bits": None} for w in (prefill, decode))
+    if (p.get("scheme"), p.get("bits")) == (d.get("scheme"), d.get("bits")):
+        return "full"
+    bits = [b for b in (p.get("bits"), d.get("bits")) if b]
+    return "full" if not bits else "4" if min(bits) <= 4 else "8"
+
+
+def calibrate_command(model: str) -> str:
+    """What an operator runs to measure a quantized pair's own allowance (backends/cli/fidelity.py)."""
+    return f"disagg fidelity calibrate --model {model} --config <config.toml>"
+
+
 class FidelityConfig(FidelitySchedule):
     """`[fidelity]`: the run-time KV check of every (prefill node, decode node, model) pair (its schedule and
     overrides: kv_bridge/config/fidelity.py)."""
@@ -60,7 +78,18 @@ class FidelityConfig(FidelitySchedule):
     prefix_tokens: int = Field(default=0, ge=0, description="canary tokens the decode node holds as a reused prefix "
                                "(its own MLX prefill, as its prefix store would), the rest arriving as KV appended to "
                                "it: the prefix-reuse path; 0: the whole canary arrives as KV")
-    timeout_s: float = Field(default=120.0, gt=0, description="one canary, prefill to verdict")
+    timeout_s: float = Field(default=120.0, gt=0, description="one canary: its KV's arrival, and then its comparison's "
+                             "own run on the decode node's MLX thread (its wait behind a batch step is not counted)")
+    mlx_budget_s: float = Field(default=2.0, gt=0, description="seconds of the decode node's MLX thread the canary "
+                                "may use ahead of each batch step (its steps run before the batch's, so a busy batch "
+                                "cannot starve it)")
+    start_canary_tokens: int = Field(default=2304, ge=0, description="the first canary of a pair after a decode "
+                                     "node starts is at least this long: past the prefill node's "
+                                     "max_num_batched_tokens (set it so), it spans several prefill steps and fp8 "
+                                     "frames per layer; 0: no long canary")
+    traffic_check: bool = Field(default=True, description="the decode node recomputes layer 0's K/V of every "
+                                "transfer (about 1/L of a prefill) and tests each position against what arrived; a "
+                                "failure prefills that request locally and demotes the pair (kv_bridge/mlx/traffic.py)")
     retry_s: float = Field(default=30.0, gt=0, description="a canary that could not run (not a failed one) runs "
                            "again after this")
 
@@ -90,6 +119,9 @@ class Verdict:
     weights: str | None = None  # the decode model's weight precision the tolerances allowed for: full, 8, 4
     findings: list[dict] = field(default_factory=list)  # every (tensor, layer, head) beyond its tolerance
     prefix: int = 0  # canary tokens held as a reused prefix on the decode node, the KV after them appended
+    over_allowance: bool = False  # verified on placement, position and gain; the error magnitude alone is past it
+    allowance: float | None = None  # the pair's calibrated rel. RMS allowance that judged it (None: its class's)
+    excess: float | None = None  # the rel. RMS allowance this canary needed (worst head, past the wire's own)
 
     @property
     def ok(self) -> bool:
@@ -99,10 +131,14 @@ class Verdict:
         """One line: what an operator reads in `disagg status`, /health and the WARN log."""
         if self.state == "error":
             return f"not checked: {self.message}"
+        if self.error is None:  # a verdict without a figure (real traffic's demotion): its message says it all
+            return f"{self.state}: {self.message}"
         where = f"{self.tensor} layer {self.layer}" + ("" if self.head is None else f" head {self.head}")
         fig = f"{where} {self.metric or 'rel. error'} {self.error:.2g} (tolerance {self.tolerance:.2g})"
         kl = "" if self.kl is None else f", next-token KL {self.kl:.2g}"
-        return f"{self.state}: worst {fig}, greedy {self.greedy}{kl}" + (f"; {self.message}" if self.message else "")
+        state = f"{self.state} (over allowance)" if self.over_allowance else self.state
+        greedy = "" if self.greedy is None else f", greedy {self.greedy}"
+        return f"{state}: worst {fig}{greedy}{kl}" + (f"; {self.message}" if self.message else "")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -122,17 +158,27 @@ async def _call(http, method: str, url: str, headers: dict, **kw) -> dict:
         return body
 
 
+# The decode node writes a space this often while the comparison waits for or runs on its MLX thread (JSON allows
+# leading whitespace): the caller's read times out on a silent node, never on one that is busy.
+HEARTBEAT_S = 5.0
+
+
 async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[str, str], headers: dict,
-                     timeout_s: float) -> Verdict:
+                     timeout_s: float, expect: dict | None = None) -> Verdict:
     """Run the canary of one pair: `prefill`, `decode` are (node name, base URL); `http` an aiohttp session whose
-    calls carry the node credential in `headers`. Never raises for a node's fault: that is an "error" verdict."""
+    calls carry the node credential in `headers`; `expect`: more of /v1/fidelity/expect's body (the prefill side's
+    `prefill_weights`, a calibrated `allowance`, `calibrate`, `variant`). Never raises for a node's fault: that is an
+    "error" verdict. The decode node bounds the KV's arrival and the comparison's run; while it heartbeats, the wait
+    for its MLX thread is not held against `timeout_s`."""
     pname, purl = prefill
     dname, durl = decode
     try:
-        exp = await _call(http, "POST", durl + "/v1/fidelity/expect", headers, json={"model": model})
+        exp = await _call(http, "POST", durl + "/v1/fidelity/expect", headers,
+                          json={**(expect or {}), "model": model, "prefill": pname})
         tid = exp["transfer_id"]
+        read = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s + 4 * HEARTBEAT_S)
         waiting = asyncio.ensure_future(_call(http, "GET", f"{durl}/v1/fidelity/{tid}", headers,
-                                              params={"timeout": str(timeout_s)}))
+                                              params={"timeout": str(timeout_s)}, timeout=read))
         try:
             await _call(http, "POST", purl + "/v1/prefill", headers, json={
                 "request_id": tid, "model": model, "token_ids": exp["token_ids"], "kv_target": exp["kv_target"],
@@ -142,7 +188,7 @@ async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[s
             with contextlib.suppress(Exception):  # the prefill's own failure is what the verdict says
                 await _call(http, "POST", f"{durl}/v1/transfers/{tid}/abort", headers)
             raise
-        got = await asyncio.wait_for(waiting, timeout_s + 30)
+        got = await waiting
         return Verdict.from_json({**got, "model": model, "prefill": pname, "decode": dname})
     except Exception as e:  # an unreachable node, a refused call: the canary did not run
         return Verdict(model, pname, dname, "error", message=str(e) or type(e).__name__)

@@ -72,6 +72,31 @@ def model_quantization(folder: str | Path) -> str:
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown")
 
 
+# HF quantization methods whose weights are fixed-width, and their bits (a config that says its own bits wins).
+_HF_BITS = {"fp8": 8, "fbgemm_fp8": 8, "mxfp4": 4, "nvfp4": 4, "awq": 4, "gptq": 4, "bitsandbytes": 4}
+
+
+def weight_precision(folder: str | Path) -> dict:
+    """The weights' quantization, as the fidelity canary's allowance class reads it (kv_bridge/fidelity.py):
+    {"scheme": "none" | "fp8" | "mxfp4" | "nvfp4" | "affine" (mlx-lm's) | an HF quant_method, "bits": int | None}.
+    Prefill: config.json's `quantization_config` (vLLM's); decode: mlx-lm's `quantization` (bits and mode), else the
+    HF one it loaded from (gpt-oss's MXFP4 experts)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    mlx_q = cfg.get("quantization")
+    if isinstance(mlx_q, dict) and mlx_q.get("bits"):
+        return {"scheme": str(mlx_q.get("mode", "affine")), "bits": int(mlx_q["bits"])}
+    hf_q = cfg.get("quantization_config")
+    if not isinstance(hf_q, dict):
+        return {"scheme": "none", "bits": None}
+    scheme = str(hf_q.get("quant_algo") or hf_q.get("quant_method") or "quantized").lower()
+    bits = hf_q.get("bits") or hf_q.get("num_bits")
+    if hf_q.get("load_in_8bit"):
+        bits = 8
+    for group in (hf_q.get("config_groups") or {}).values():  # compressed-tensors: the weights' own num_bits
+        bits = bits or ((group or {}).get("weights") or {}).get("num_bits")
+    return {"scheme": scheme, "bits": int(bits or _HF_BITS.get(scheme, 4))}
+
+
 def kv_bytes_per_token(folder: str | Path, dtype_bytes: int = 2) -> int:
     """KV bytes one token adds over all layers at `dtype_bytes` per element (2: bf16), windows ignored."""
     geo = model_geometry(folder)

@@ -63,6 +63,7 @@ class Fallback(StrEnum):
     KV_TIMEOUT = "kv_timeout"
     KV_ERROR = "kv_error"
     KV_ABORTED = "kv_aborted"
+    KV_FIDELITY = "kv_fidelity"  # the KV arrived but its layer 0 is not the prompt's (the real-traffic check)
     UPSTREAM = "upstream"
     NO_CAPACITY = "no_capacity"
 
@@ -214,6 +215,7 @@ class DoneLine:
     prefix_tokens: int = 0
     computed_tokens: int = 0
     ttft_s: float = 0.0
+    kv_check: str | None = None  # with fallback_reason kv_fidelity: what the real-traffic KV check found
 
     def to_json(self) -> dict:
         return {"type": "done", **asdict(self)}
@@ -222,13 +224,14 @@ class DoneLine:
     def from_json(cls, msg: dict) -> "DoneLine":
         """Tolerant of absent fields (an older node sends fewer); raises ProtocolError on a wrong type."""
         kinds = {"finish_reason": str, "fallback_reason": str, "kv_transfer_s": float, "kv_link_s": float,
-                 "ttft_s": float}
+                 "ttft_s": float, "kv_check": str}
         try:
             values = {f.name: kinds.get(f.name, int)(msg.get(f.name) or 0) for f in fields(cls)}
         except (TypeError, ValueError):
             raise ProtocolError(f"malformed done line: {msg!r}") from None
         values["finish_reason"] = str(msg.get("finish_reason") or "stop")
         values["fallback_reason"] = msg.get("fallback_reason") or None
+        values["kv_check"] = msg.get("kv_check") or None
         return cls(**values)
 
 

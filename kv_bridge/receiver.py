@@ -112,16 +112,17 @@ class KVReceiver:
         await asyncio.to_thread(lambda: [c.thread.join(10) for c in conns])
 
     def expect(self, transfer_id: str, num_tokens: int, spec: dict, start: int = 0,
-               dtype: str = "float32") -> Transfer:
+               dtype: str = "float32", exempt: bool = False) -> Transfer:
         """Register the transfer of prompt tokens [start, num_tokens) before the prefill side connects, to be held
         in `dtype` (the model's compute dtype: dtypes.TARGETS); KVCapacityError when its KV would put the node over
-        `kv.max_inflight_bytes`."""
+        `kv.max_inflight_bytes`, unless `exempt` (the fidelity canary's few hundred tokens: reserved, never refused,
+        so a busy node's pair is still checked)."""
         if transfer_id in self.transfers:
             raise ValueError(f"transfer {transfer_id!r} is already registered")
         per_token = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * dtypes.target_itemsize(dtype)
         need = per_token * (num_tokens - start)  # K and V as held, every layer at full length
         held = self.inflight_bytes
-        if held + need > self.cfg.max_inflight_bytes:
+        if held + need > self.cfg.max_inflight_bytes and not exempt:
             raise KVCapacityError(f"this decode node holds {held} bytes of in-flight KV; {need} more would pass its "
                                   f"kv.max_inflight_bytes of {self.cfg.max_inflight_bytes}")
         t = Transfer(transfer_id, num_tokens, spec, self.cfg, start, self.pool, dtype)

@@ -81,7 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--probe-mib", type=float, default=64.0, help="test transfer size per pair (0: no probe)")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each node")
-    st.add_argument("--no-fidelity", action="store_true", help="skip the KV fidelity canary of each pair")
+    st.add_argument("--no-fidelity", action="store_true", help="leave out the KV fidelity table")
+    st.add_argument("--recheck", action="store_true", help="run every pair's KV fidelity canary now (the gateway's "
+                    "operator-only POST /fidelity, at most every [fidelity] recheck_min_s) instead of reading its "
+                    "verdicts; needs an operator credential: the config's node secret, --operator-key or "
+                    "$DISAGG_OPERATOR_KEY")
+    st.add_argument("--operator-key", help="an operator key ([auth] operator_keys) for --recheck")
     st.add_argument("--api-key", help="a client key for the gateway (default: $DISAGG_API_KEY, else the config's "
                     "auth.api_keys / api_keys_file where this machine can read it)")
     st.set_defaults(func=_cmd_status)
@@ -105,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_grading(bench, common)
     add_spec(bench, common)
+    from backends.cli.fidelity import add_parser as add_fidelity
+
+    add_fidelity(sub, common)
 
     gw = sub.add_parser("gateway", parents=[common], help="run the OpenAI-compatible gateway")
     gw.set_defaults(func=_cmd_gateway)
@@ -159,7 +167,8 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from backends.cli import status
 
     return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout,
-                       fidelity=not args.no_fidelity, api_key=args.api_key)
+                       fidelity=not args.no_fidelity, api_key=args.api_key, recheck=args.recheck,
+                       operator=args.operator_key)
 
 
 def _cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:

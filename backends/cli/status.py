@@ -1,7 +1,8 @@
 """`disagg status`: one table for a whole site (each node's health, fingerprint agreement, load, last error), the KV
 link bandwidth of every prefill -> decode pair, measured with a test transfer (backends/probe.py), and the KV
-fidelity of every (model, prefill, decode) pair: the canary run now (kv_bridge/fidelity.py), through the gateway when
-it answers (so its routing learns the verdicts too), else straight against the nodes."""
+fidelity of every (model, prefill, decode) pair: the gateway's verdicts as they stand (its /health; nothing is run),
+or with `--recheck` the canary run now (kv_bridge/fidelity.py) through the gateway's operator-only POST /fidelity (so
+its routing learns the verdicts too), else straight against the nodes."""
 
 from __future__ import annotations
 
@@ -13,26 +14,16 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
+from backends.cli.status_fidelity import (OPERATOR_KEY_ENV, ClientKey, Lifecycle, fidelity_verdicts, operator_key,
+                                          verdict_of)
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
 from kv_bridge.config.source import ConfigError
-from kv_bridge.fidelity import Verdict, run_canary
+from kv_bridge.fidelity import Verdict
+
+__all__ = ["OPERATOR_KEY_ENV", "ClientKey", "Lifecycle", "operator_key", "verdict_of", "collect", "main", "render"]
 
 API_KEY_ENV = "DISAGG_API_KEY"  # a client key for the gateway, on a machine that cannot read auth.api_keys_file
-
-
-@dataclass
-class ClientKey:
-    """The key status sends the gateway and where it came from; `missing` says why there is none when the config
-    wants one (the gateway then answers 401 and status goes to the nodes itself)."""
-
-    key: str | None
-    source: str
-    missing: str | None = None
-
-    @property
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
 
 def client_key(s: Settings, flag: str | None = None) -> ClientKey:
@@ -157,79 +148,6 @@ async def _result(http, d: NodeConfig, tid: str, headers: dict, timeout: float) 
         return await r.json()
 
 
-@dataclass
-class Lifecycle:
-    """What the gateway adds to a pair's verdict (gateway/cluster/fidelity.py): whether its routing uses the pair,
-    whether the verdict is stale (the last try could not run, or a node is down) and how old, and an override."""
-
-    usable: bool | None = None
-    stale: bool = False
-    age_s: float | None = None
-    errors: int = 0
-    last_error: str | None = None
-    override: dict | None = None  # {"usable", "reason"}
-
-    @classmethod
-    def from_row(cls, row: dict) -> "Lifecycle":
-        return cls(**{k: row[k] for k in cls.__dataclass_fields__ if k in row})
-
-    def note(self) -> str:
-        """The NOTE column's lifecycle part: stale since when and why, and an override's reason."""
-        out = []
-        if self.stale:
-            age = "" if self.age_s is None else f" ({_ago(self.age_s)} old)"
-            out.append(f"stale{age}: {self.last_error or 'a node is down'}")
-        if self.override is not None:
-            out.append(f"override ({'used' if self.override['usable'] else 'not used'}): {self.override['reason']}")
-        return "; ".join(out)
-
-
-def _ago(seconds: float) -> str:
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}min" if seconds < 7200 else \
-        f"{seconds / 3600:.1f}h"
-
-
-def _verdict(row: dict) -> Verdict:
-    """A pair of the gateway's POST /fidelity answer; one it could not check (a node down, the canary off) is an
-    "error" verdict that says why."""
-    if row["state"] in ("verified", "failed"):
-        return Verdict.from_json(row)
-    if row["state"] == "error":
-        return Verdict.from_json({**row, "message": row.get("last_error") or row.get("message") or ""})
-    why = {"pending": "a node is down", "unchecked": "the gateway's canary is off ([fidelity] enabled)",
-           "checking": "being checked again" + (f": {row['reverify']}" if row.get("reverify") else "")}
-    return Verdict(row["model"], row["prefill"], row["decode"], "error", message=why.get(row["state"], row["state"]))
-
-
-async def _fidelity(http, s: Settings, up: set[str], headers: dict, gw: dict, seen: dict) -> list[Verdict]:
-    """Every pair's canary verdict: from the gateway's POST /fidelity when it answers (each with its Lifecycle as
-    `.lifecycle`), else run here, pair by pair. `seen["gateway"]` records "401" when the gateway wanted a key it did
-    not get."""
-    try:
-        async with http.post(f"{s.gateway.url()}/fidelity", headers=gw) as r:
-            if r.status == 200:
-                out = []
-                for row in (await r.json())["pairs"]:
-                    v = _verdict(row)
-                    v.lifecycle = Lifecycle.from_row(row)
-                    out.append(v)
-                return out
-            if r.status == 401:
-                seen["gateway"] = "401"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
-        pass  # no gateway here: ask the nodes themselves
-    out = []
-    for m in s.models:
-        for p in m.prefill:
-            for d in m.decode:
-                if p in up and d in up:
-                    out.append(await run_canary(http, m.id, (p, s.node(p).url), (d, s.node(d).url), headers,
-                                                s.fidelity.timeout_s))
-                else:
-                    out.append(Verdict(m.id, p, d, "error", message="node down"))
-    return out
-
-
 async def _queue(http, s: Settings, gw: dict, seen: dict) -> dict | None:
     """The gateway's request queue from its /health (gateway/cluster/queue.py); None when no gateway answers."""
     try:
@@ -243,14 +161,15 @@ async def _queue(http, s: Settings, gw: dict, seen: dict) -> dict | None:
 
 
 async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.0, fidelity: bool = True,
-                  key: ClientKey | None = None) -> dict:
+                  key: ClientKey | None = None, recheck: ClientKey | None = None) -> dict:
     """Every node's status, fingerprint consensus, (when probe_bytes > 0) every up pair's KV link and (`fidelity`)
-    every pair's KV fidelity. `key`: the gateway's client key (default: client_key(s))."""
+    every pair's KV fidelity. `key`: the gateway's client key (default: client_key(s)); `recheck`: the operator
+    credential (operator_key(s)) to run every pair's canary now, else the verdicts are read."""
     key = client_key(s) if key is None else key
     gw, seen = key.headers, {}
     token = s.auth.node_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    total = max(timeout, s.fidelity.timeout_s if fidelity else 0) + 60
+    total = max(timeout, s.fidelity.timeout_s if fidelity and recheck else 0) + 60
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total, connect=timeout)) as http:
         nodes = await asyncio.gather(*(_health(http, s, n, headers) for n in s.nodes))
         consensus = agree(nodes)
@@ -265,10 +184,10 @@ async def collect(s: Settings, probe_bytes: int = 64 << 20, timeout: float = 10.
                                                       timeout))
                         else:
                             links.append(LinkStatus(m.id, p, d, error="node down"))
-        verdicts = await _fidelity(http, s, up, headers, gw, seen) if fidelity else []
+        verdicts = await fidelity_verdicts(http, s, up, headers, gw, seen, recheck) if fidelity else []
         queue = await _queue(http, s, gw, seen)
     return {"nodes": nodes, "links": links, "consensus": consensus, "fidelity": verdicts, "queue": queue,
-            "key": key_line(key, seen.get("gateway"))}
+            "key": "\n".join(x for x in (key_line(key, seen.get("gateway")), seen.get("recheck")) if x) or None}
 
 
 def await_fidelity(health_url: str, headers: dict, timeout_s: float, nodes: set[str]) -> list[str]:
@@ -318,8 +237,9 @@ def render(result: dict, color: bool = False) -> str:
         rows = [("MODEL", "PREFILL -> DECODE", "KV FIDELITY", "WORST", "REL. ERROR", "TOLERANCE", "GREEDY", "KL",
                  "NOTE")]
         for v in result["fidelity"]:
-            figs, life = v.state != "error", _lifecycle(v)
+            figs, life = v.state != "error" and v.error is not None, _lifecycle(v)  # real traffic: no figure
             state = v.state.upper() if v.state == "failed" else v.state
+            state += " (over allowance)" if v.over_allowance else ""  # flagged: its WARN names the calibrate command
             note = "; ".join(n for n in (v.message, life.note()) if n) or "-"
             rows.append((v.model, f"{v.prefill} -> {v.decode}", state + (" (stale)" if life.stale else ""),
                          f"{v.tensor} layer {v.layer}" if figs else "-", f"{v.error:.2g}" if figs else "-",
@@ -369,10 +289,13 @@ def to_json(result: dict) -> dict:
 
 
 def main(settings: Settings, as_json: bool = False, probe_bytes: int = 64 << 20, timeout: float = 10.0,
-         fidelity: bool = True, api_key: str | None = None) -> int:
+         fidelity: bool = True, api_key: str | None = None, recheck: bool = False,
+         operator: str | None = None) -> int:
     """Exit 0 when every node is up, agrees, every link probe passed and every pair's KV is verified (or vouched for
-    by a [[fidelity.override]]); 1 otherwise."""
-    result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity, client_key(settings, api_key)))
+    by a [[fidelity.override]]); 1 otherwise. `recheck`: run every pair's canary now (the operator credential:
+    `operator`, else $DISAGG_OPERATOR_KEY, else the node token)."""
+    op = operator_key(settings, operator) if recheck else None
+    result = asyncio.run(collect(settings, probe_bytes, timeout, fidelity, client_key(settings, api_key), op))
     print(json.dumps(to_json(result), indent=2) if as_json else render(result, color=sys.stdout.isatty()))
     if result["key"]:
         print(result["key"], file=sys.stderr)

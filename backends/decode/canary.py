@@ -1,15 +1,17 @@
 """The decode node's side of the KV fidelity canary (kv_bridge/fidelity.py has the contract).
 
 POST /v1/fidelity/expect {model}: renders the canary prompt with the model's chat template, registers its transfer
-(prompt minus its last token, as a request's) and answers {transfer_id, token_ids, kv_target} for the caller to hand
-a prefill node's /v1/prefill. GET /v1/fidelity/{tid}: waits for that KV, then the model's MLX thread prefills the
-same tokens itself (in chunks, between batch steps: serving goes on), compares the two caches layer by layer and
-decodes a few greedy tokens from each; answers the verdict. A failure is logged once, naming layer, tensor and error.
+(prompt minus its last token, as a request's, never refused for KV capacity) and answers {transfer_id, token_ids,
+kv_target} for the caller to hand a prefill node's /v1/prefill. GET /v1/fidelity/{tid}: waits for that KV, then the
+model's MLX thread prefills the same tokens itself in one forward (ahead of the next batch step: serving goes on),
+compares the two caches layer by layer and, where both sides hold the same weights, decodes a few greedy tokens from
+each; answers the verdict (heartbeating while it waits). A failure is logged once, naming layer, tensor and error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -17,8 +19,11 @@ import uuid
 from aiohttp import web
 
 from backends.common import NodeError, bad_request, json_body
-from kv_bridge.fidelity import Verdict, kl_tolerance
-from kv_bridge.receiver import KVCapacityError, TransferError
+from backends.decode import canary_allowance
+from backends.decode.canary_plan import CanaryPlan
+from kv_bridge.fidelity import HEARTBEAT_S, Verdict, allowance_class, calibrate_command, kl_tolerance
+from kv_bridge.fingerprint import weight_precision
+from kv_bridge.receiver import TransferError
 
 log = logging.getLogger("backends.decode.canary")
 CANARY_PREFIX = "canary-"
@@ -36,9 +41,11 @@ _SENTENCES = [
 QUESTION = "Who built the four extra boats, and from what? Answer in one sentence."
 
 
-def canary_ids(m, want: int) -> list[int]:
-    """The canary prompt: prose grown to at least `want` tokens, chat-templated as a request is (MLX's tokenizer)."""
-    tok, text, i = m.tokenizer, "", 0
+def canary_ids(m, want: int, variant: int = 0, nonce: str = "") -> list[int]:
+    """The canary prompt: prose grown to at least `want` tokens, chat-templated as a request is (MLX's tokenizer);
+    `variant` starts it at another sentence (calibration's varied canaries), `nonce` opens it (a prompt no cache has
+    seen)."""
+    tok, text, i = m.tokenizer, f"Ledger {nonce}." if nonce else "", variant
     while True:
         text += (" " if text else "") + _SENTENCES[i % len(_SENTENCES)]
         i += 1
@@ -62,55 +69,99 @@ def canary_length(m, canary_tokens: int) -> int:
     return max([canary_tokens] + [w + 32 for w in windows])
 
 
-def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0):
+def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str = "full",
+        allowance: float | None = None, measure: bool = False):
     """MLX thread, one step at a time (MLXModel.run_task): the canary's comparison and greedy tokens -> dict.
     prefix > 0: the bridged cache is MLX's own prefill of the first `prefix` tokens (a held prefix) with the
-    received KV appended, as a request that reuses a prefix is built."""
+    received KV appended, as a request that reuses a prefix is built. Each prefill is one forward (a few steps in
+    all: a busy batch cannot stretch it). `weights`: the pair's allowance class; greedy tokens only where it is
+    "full" (with different weights they measure the weights, not the KV). `allowance` (a pair's calibrated one) or
+    `measure`: also what this canary's error magnitude needs (canary_allowance.measure)."""
     from kv_bridge.mlx import fidelity
     from kv_bridge.mlx.cache import append_kv, build_prompt_cache, quantize
 
     t0, wire = time.perf_counter(), kv.wire_dtype
     try:
         if prefix:
-            held = yield from fidelity.prefill(m.model, ids[:prefix])
+            held = yield from fidelity.prefill(m.model, ids[:prefix], chunk=prefix)
             bridged = append_kv(held, kv.keys, kv.values, m.dtype)
         else:
             bridged = build_prompt_cache(m.model, kv.keys, kv.values, m.dtype)
     finally:
         kv.release()
-    reference = yield from fidelity.prefill(m.model, ids[:-1])
-    weights = fidelity.weights_of(m.path)
-    figures = fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix)
-    yield
-    quantize(bridged, m.kv_bits, m.kv_group_size)
-    quantize(reference, m.kv_bits, m.kv_group_size)
-    steps = yield from fidelity.greedy(m.model, bridged, reference, ids[-1], greedy_tokens)
-    return {**figures, "weights": weights, "greedy": f"{steps['agree']}/{steps['steps']}", "kl": steps["kl"],
-            "seconds": time.perf_counter() - t0}
+    reference = yield from fidelity.prefill(m.model, ids[:-1], chunk=len(ids))
+    out = {**fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix), "weights": weights,
+           "greedy": None, "kl": None, "allowance": allowance}
+    if allowance is not None or measure:
+        out.update(canary_allowance.measure(bridged, reference, wire))
+    if weights == "full":
+        yield
+        quantize(bridged, m.kv_bits, m.kv_group_size)
+        quantize(reference, m.kv_bits, m.kv_group_size)
+        steps = yield from fidelity.greedy(m.model, bridged, reference, ids[-1], greedy_tokens)
+        out.update(greedy=f"{steps['agree']}/{steps['steps']}", kl=steps["kl"])
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 def verdict(model: str, node: str, kv_dtype: str, wire: str, tokens: int, out: dict) -> Verdict:
     """The verdict of a comparison (kv_bridge/mlx/fidelity_metric.py): failed on any finding (a head in another
-    slot, a scale, an error beyond the wire's own plus the weights' allowance, a first-layer position holding
-    another token); with the same weights on both sides also when the next-token KL passes its tolerance. With
-    different weights the KL and the greedy count are evidence only: they measure the weights as much as the KV."""
+    slot, a scale, an error beyond the wire's own plus the pair's allowance, a first-layer position holding another
+    token); with the same weights on both sides also when the next-token KL passes its tolerance. With different
+    weights the error magnitude alone past its allowance, placement, position and gain holding, is "verified, over
+    allowance" (a WARN that names `disagg fidelity calibrate`): the weights' honest difference, not a wrong KV."""
     worst, findings = out["worst"] or {}, out["findings"]
-    weights = out.get("weights", "full")
+    weights, allowance = out.get("weights", "full"), out.get("allowance")
+    if allowance is not None and "excess_at" in out:
+        findings = canary_allowance.rejudge(findings, out["excess_at"], allowance)
+        worst = findings[0] if findings else canary_allowance.nearest(out["excess_at"], allowance)
     kl_tol = kl_tolerance(wire, kv_dtype)
-    kl_bad = weights == "full" and out["kl"] > kl_tol
+    kl_bad = weights == "full" and out.get("kl") is not None and out["kl"] > kl_tol
+    over = weights != "full" and canary_allowance.magnitude_only(findings)
     msg = "; ".join(f["what"] for f in findings[:1])
     if kl_bad:
         msg = "; ".join(x for x in (msg, f"next-token KL {out['kl']:.3g} over {kl_tol:g}") if x)
-    return Verdict(model, "", node, "failed" if findings or kl_bad else "verified", worst.get("value"),
-                   worst.get("layer"), worst.get("tensor"), worst.get("tolerance"), wire, kv_dtype, tokens,
-                   out["greedy"], out["seconds"], msg, out["layers"], out["kl"], head=worst.get("head"),
-                   metric=worst.get("metric"), weights=weights, findings=findings[:8])
+    if over:
+        msg += (f" while placement, position and gain hold ({weights}-bit class); measure this pair's own "
+                f"allowance: {calibrate_command(model)}")
+    state = "verified" if over or not (findings or kl_bad) else "failed"
+    return Verdict(model, "", node, state, worst.get("value"), worst.get("layer"), worst.get("tensor"),
+                   worst.get("tolerance"), wire, kv_dtype, tokens, out["greedy"], out["seconds"], msg, out["layers"],
+                   out["kl"], head=worst.get("head"), metric=worst.get("metric"), weights=weights,
+                   findings=findings[:8], over_allowance=over, allowance=allowance, excess=out.get("excess"))
+
+
+def _options(body: dict, m) -> dict:
+    """/v1/fidelity/expect's optional fields, checked: the pair's allowance class (from the prefill side's
+    `prefill_weights` and this model's own), a calibrated `allowance`, `calibrate` (measure the excess), `variant`."""
+    pw = body.get("prefill_weights")
+    if pw is not None and not (isinstance(pw, dict) and isinstance(pw.get("scheme"), str)):
+        raise bad_request(f"prefill_weights must be {{\"scheme\": str, \"bits\": int | null}}, got {pw!r}")
+    allowance = body.get("allowance")
+    if allowance is not None and (isinstance(allowance, bool) or not isinstance(allowance, (int, float))
+                                  or not 0 < allowance < 10):
+        raise bad_request(f"allowance must be a number in (0, 10), got {allowance!r}")
+    variant = body.get("variant", 0)
+    if not isinstance(variant, int) or isinstance(variant, bool) or variant < 0:
+        raise bad_request(f"variant must be a non-negative integer, got {variant!r}")
+    return {"weights": allowance_class(pw, weight_precision(m.path)), "allowance": allowance,
+            "measure": bool(body.get("calibrate", False)), "variant": variant}
+
+
+async def _heartbeat(resp: web.StreamResponse, work: asyncio.Future) -> dict:
+    """`work`'s result, a space written every HEARTBEAT_S meanwhile (the caller's read stays alive while the node
+    is busy; a silent node times it out)."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=HEARTBEAT_S)
+        if done:
+            return work.result()
+        await resp.write(b" ")
 
 
 def register(app: web.Application, svc) -> None:
     """Canary routes on a decode node; `svc` is the DecodeService (models, receiver, settings, node)."""
-    pending: dict[str, tuple] = {}  # transfer id -> (model, canary ids)
+    pending: dict[str, tuple] = {}  # transfer id -> (model, canary ids, prefix, options)
     lengths: dict[str, int] = {}
+    rounds = CanaryPlan()
 
     def _drop(tid: str) -> None:
         if pending.pop(tid, None) is not None:
@@ -123,53 +174,79 @@ def register(app: web.Application, svc) -> None:
             raise NodeError(404, f"model {body.get('model')!r} is not served here", "model_not_found")
         if m.failure is not None:
             raise NodeError(503, m.failure, "engine_dead")
-        cfg = svc.settings.fidelity
+        cfg, opts = svc.settings.fidelity, _options(body, m)
         want = lengths.setdefault(m.model_id, canary_length(m, cfg.canary_tokens))
-        ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, want)
-        prefix = body.get("prefix_tokens", cfg.prefix_tokens)
+        longest = next((r.max_model_len for r in svc.settings.models if r.id == m.model_id), None) or 1 << 30
+        plan = rounds.next(m.model_id, str(body.get("prefill") or ""), want,
+                           min(cfg.start_canary_tokens, longest // 2), cfg.prefix_tokens)  # canary_plan.py
+        ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, plan.tokens, opts.pop("variant"),
+                                                               plan.nonce)
+        prefix = body.get("prefix_tokens", plan.prefix)
         if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
             raise bad_request(f"prefix_tokens must be a non-negative integer, got {prefix!r}")
         prefix = min(prefix, len(ids) - 2)  # at least one token's KV arrives
         tid = CANARY_PREFIX + uuid.uuid4().hex
-        try:
-            svc.receiver.expect(tid, len(ids) - 1, m.spec, prefix, m.kv_dtype)  # held as a request's is
-        except KVCapacityError as e:
-            raise NodeError(429, str(e), "kv_capacity", {"Retry-After": "1"}) from None
-        pending[tid] = (m, ids, prefix)
+        # Held as a request's is, but never refused for capacity: a busy Mac's pair must still be checked.
+        svc.receiver.expect(tid, len(ids) - 1, m.spec, prefix, m.kv_dtype, exempt=True)
+        pending[tid] = (m, ids, prefix, opts)
         # A caller that never asks for the result must not leave the reservation behind.
         asyncio.get_running_loop().call_later(cfg.timeout_s + 60, _drop, tid)
         return web.json_response({"transfer_id": tid, "token_ids": ids[:-1], "kv_target": svc.node.kv_target,
                                   "kv_start": prefix})
 
-    async def result(request: web.Request) -> web.Response:
+    async def compared(m, ids: list[int], prefix: int, opts: dict, t, timeout: float) -> dict:
+        """The verdict's JSON: the KV's arrival within `timeout`, then the comparison on the MLX thread, whose own
+        run (from its first step, not its wait in the inbox) is bounded by `timeout` too."""
+        def error(message: str) -> dict:
+            return Verdict(m.model_id, "", svc.node.name, "error", message=message).to_json()
+        try:
+            kv = await t.result(timeout)
+        except TransferError as e:
+            return error(f"KV did not arrive: {e}")
+        finally:
+            svc.receiver.forget(t.transfer_id)
+        greedy = svc.settings.fidelity.greedy_tokens
+        task = m.submit_task(lambda: run(m, ids, kv, greedy, prefix, **opts))
+        work = asyncio.wrap_future(task.future)
+        try:
+            while not work.done():
+                await asyncio.wait({work}, timeout=1.0)
+                if not work.done() and task.started is not None and time.monotonic() - task.started > timeout:
+                    task.future.cancel()  # the MLX loop drops a cancelled task at its next step
+                    return error(f"the comparison ran longer than {timeout:g}s on the MLX thread")
+        except asyncio.CancelledError:  # the caller went: the MLX thread need not finish it
+            task.future.cancel()
+            raise
+        try:
+            out = work.result()
+        except Exception as e:  # the comparison itself broke (logged by the MLX loop): the canary did not run
+            return error(f"comparison failed: {type(e).__name__}: {e}")
+        v = verdict(m.model_id, svc.node.name, m.kv_dtype, kv.wire_dtype, len(ids) - 1, out)
+        v.prefix = prefix
+        log.log(logging.WARNING if v.over_allowance else logging.INFO, "KV fidelity of %s: %s (wire %s, KV %s, "
+                "weights %s)", m.model_id, v.summary(), kv.wire_dtype, v.kv_dtype, v.weights)
+        return v.to_json()
+
+    async def result(request: web.Request) -> web.StreamResponse:
         tid = request.match_info["tid"]
         entry, t = pending.pop(tid, None), svc.receiver.transfers.get(tid)
         if entry is None or t is None:
             raise NodeError(404, f"no canary transfer {tid!r}", "not_found")
-        m, ids, prefix = entry
         try:
             timeout = float(request.query.get("timeout", svc.settings.fidelity.timeout_s))
         except ValueError:
-            raise bad_request("timeout must be a number of seconds") from None
-        try:
-            kv = await t.result(timeout)
-        except TransferError as e:
-            return web.json_response(Verdict(m.model_id, "", svc.node.name, "error",
-                                             message=f"KV did not arrive: {e}").to_json())
-        finally:
             svc.receiver.forget(tid)
-        wire = kv.wire_dtype
+            raise bad_request("timeout must be a number of seconds") from None
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        work = asyncio.ensure_future(compared(*entry, t, timeout))
         try:
-            out = await asyncio.wrap_future(m.run_task(lambda: run(m, ids, kv, svc.settings.fidelity.greedy_tokens,
-                                                                         prefix)))
-        except Exception as e:  # the comparison itself broke (logged by the MLX loop): the canary did not run
-            return web.json_response(Verdict(m.model_id, "", svc.node.name, "error",
-                                             message=f"comparison failed: {type(e).__name__}: {e}").to_json())
-        v = verdict(m.model_id, svc.node.name, m.kv_dtype, wire, len(ids) - 1, out)
-        v.prefix = prefix
-        log.info("KV fidelity of %s: %s (wire %s, KV %s, weights %s)", m.model_id, v.summary(), wire, v.kv_dtype,
-                 v.weights)
-        return web.json_response(v.to_json())
+            body = await _heartbeat(resp, work)
+        finally:
+            work.cancel()  # the caller went: nothing waits for the comparison any more
+        await resp.write(json.dumps(body).encode())
+        await resp.write_eof()
+        return resp
 
     app.router.add_post("/v1/fidelity/expect", expect)
     app.router.add_get("/v1/fidelity/{tid}", result)

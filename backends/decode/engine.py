@@ -47,12 +47,15 @@ class Job:
 
 @dataclass(eq=False)
 class Task:
-    """Other work for the MLX thread (the fidelity canary): `work()` returns a generator that the loop advances one
-    step per batch step, so a long piece of work never stalls the batch; its return value settles `future`."""
+    """Other work for the MLX thread (the fidelity canary): `work()` returns a generator the loop advances ahead of
+    each batch step, for up to MLXModel.task_budget_s (at least one step), so a busy batch cannot starve it and a
+    long piece of work never stalls the batch; its return value settles `future`. `started`: when its first step ran
+    (time.monotonic; None while it waits in the inbox): its wait is not its run time."""
 
     work: Callable[[], object]
     future: Future = field(default_factory=Future)
     steps: object | None = None
+    started: float | None = None
 
     def settle(self, result: object = None, error: BaseException | None = None) -> None:
         """The task's outcome to its caller, unless the caller went (cancelled: a gateway stopped mid-canary)."""
@@ -89,6 +92,9 @@ class MLXModel:
         self._tasks: list[Task] = []  # MLX thread only
         self.failure: str | None = None  # set when the MLX loop itself died: the node can serve nothing more
         self.batch_size = self.cache_bytes = 0  # published by the MLX thread after every step, read by /health
+        # Seconds of task work (the canary's steps) run ahead of each batch step: a canary of a few one-forward steps
+        # finishes within one batch step of arriving, however long the batch's prefill chunks are.
+        self.task_budget_s = 2.0
 
     def load(self) -> None:
         import mlx.core as mx
@@ -164,10 +170,15 @@ class MLXModel:
             self._fail_queued()
 
     def run_task(self, work: Callable[[], object]) -> Future:
-        """Any thread: run `work()`'s generator on the MLX thread between batch steps; the future gets its result."""
+        """Any thread: run `work()`'s generator on the MLX thread ahead of batch steps; the future gets its result
+        (use submit_task for the Task itself: when it started)."""
+        return self.submit_task(work).future
+
+    def submit_task(self, work: Callable[[], object]) -> Task:
+        """Any thread: queue `work()`'s generator for the MLX thread; the Task says when it started and settles."""
         task = Task(work)
         self.submit(task)
-        return task.future
+        return task
 
     def _fail_queued(self) -> None:
         """Every queued job gets the loop's failure and leaves (any thread; the inbox hands each job out once)."""
@@ -229,6 +240,7 @@ class MLXModel:
                         self._run_alone(job)
                     else:
                         specs = self._admit(batch, specs, job)
+                self._advance_tasks()  # ahead of the batch: one batch step is all a task ever waits
                 for run in specs:
                     run.alone = len(specs) == 1 and not (batch and batch.jobs)
                 specs = [run for run in specs if run.step()]  # each stays on its path to its end unless joined
@@ -236,7 +248,6 @@ class MLXModel:
                     self._step_batch(batch, specs)
                     self.batch_size = len(batch.jobs) + len(specs)
                     self.cache_bytes = batch.nbytes() + sum(run.nbytes for run in specs)
-                self._advance_tasks()
         except Exception as e:  # the loop itself broke (not one request): nothing can be served any more
             log.exception("MLX loop for %s died", self.model_id)
             self.failure = f"the MLX loop for {self.model_id} died: {type(e).__name__}: {e}"
@@ -298,22 +309,31 @@ class MLXModel:
         return []
 
     def _advance_tasks(self) -> None:
-        """One step of each task; a finished or failed one settles its future and leaves."""
-        for task in list(self._tasks):
-            if task.future.cancelled():  # its caller went: stop the work
-                self._tasks.remove(task)
-                continue
-            try:
-                if task.steps is None:
-                    task.steps = task.work()
-                next(task.steps)
-            except StopIteration as done:
-                self._tasks.remove(task)
-                task.settle(done.value)
-            except Exception as e:  # the task's own failure, never the loop's
-                log.exception("MLX task failed")
-                self._tasks.remove(task)
-                task.settle(error=e)
+        """Steps of each task, round robin, until they finish or `task_budget_s` is spent (each at least one step); a
+        finished or failed one settles its future and leaves."""
+        deadline = time.monotonic() + self.task_budget_s
+        while self._tasks:
+            for task in list(self._tasks):
+                self._step_task(task)
+            if time.monotonic() >= deadline:
+                return
+
+    def _step_task(self, task: Task) -> None:
+        if task.future.cancelled():  # its caller went: stop the work
+            self._tasks.remove(task)
+            return
+        try:
+            if task.steps is None:
+                task.started = time.monotonic()
+                task.steps = task.work()
+            next(task.steps)
+        except StopIteration as done:
+            self._tasks.remove(task)
+            task.settle(done.value)
+        except Exception as e:  # the task's own failure, never the loop's
+            log.exception("MLX task failed")
+            self._tasks.remove(task)
+            task.settle(error=e)
 
     def _arrivals(self, block: bool) -> list[Job | Task | None]:
         jobs = [self._inbox.get()] if block else []

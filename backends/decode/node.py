@@ -17,15 +17,15 @@ from typing import Callable
 from aiohttp import web
 
 from backends.common import (NodeError, bad_request, json_body, kv_identity, machine, node_app, node_token, open_paths,
-                             run_app, versions)
+                             project_version, run_app, versions)
 from backends.decode.engine import Job, MLXModel
 from backends.node_metrics import DecodeMetrics
 from backends.decode.sampling import StopMatcher, parse_sampling
 from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
-from kv_bridge.protocol import DoneLine, Sampling, accepted_line, error_line
-from kv_bridge.fingerprint import model_quantization
+from kv_bridge.protocol import DoneLine, Fallback, Sampling, accepted_line, error_line
+from kv_bridge.fingerprint import model_quantization, weight_precision
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ class DecodeService:
                        for m in settings.models if node.name in m.decode}
         if not self.models:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
+        for m in self.models.values():
+            m.task_budget_s = settings.fidelity.mlx_budget_s
         self.receiver = KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac)
         self.running = 0
         self.metrics = DecodeMetrics(self)
@@ -89,9 +91,10 @@ class DecodeService:
         if got is None:
             d = self.settings.decode
             got = kv_identity({"fingerprint": m.spec["fingerprint"], "quantization": model_quantization(m.path),
-                               "kv_dtype": m.kv_dtype, "kv_bits": d.kv_bits,
+                               "weights": weight_precision(m.path), "kv_dtype": m.kv_dtype, "kv_bits": d.kv_bits,
                                "kv_group_size": d.kv_group_size if d.kv_bits else None, "machine": machine(),
-                               "versions": versions("mlx", "mlx-lm")})
+                               "attention_backend": _mlx_device(), "versions": versions("mlx", "mlx-lm"),
+                               "project": project_version()})
             if m.kv_dtype is not None:  # loaded: it will not change until the process does
                 self._identity[m.model_id] = got
         return got
@@ -136,6 +139,8 @@ class DecodeService:
             await _line(resp, accepted_line(rid, p if kv_tokens else None))
             t0 = time.perf_counter()
             kv, arrived = await self._await_kv(transfer, kv_tokens - p)
+            if kv is not None and self.settings.fidelity.traffic_check:
+                kv, arrived = await self._check_kv(m, ids, kv, arrived, rid)
             done = replace(arrived, prompt_tokens=len(ids), prefix_tokens=p,
                            computed_tokens=len(ids) - arrived.kv_tokens - p)
             self.metrics.finished(m.model_id, p, done.kv_tokens, done.kv_bytes, done.computed_tokens,
@@ -177,6 +182,30 @@ class DecodeService:
             return None, replace(none, fallback_reason=e.reason)
         return kv, replace(none, kv_tokens=kv_tokens, kv_transfer_s=kv.seconds, kv_bytes=kv.nbytes,
                            kv_link_s=kv.link_s)
+
+    async def _check_kv(self, m: MLXModel, ids: list[int], kv, arrived: DoneLine, rid: str):
+        """The real-traffic check (kv_bridge/mlx/traffic.py) on the MLX thread: (kv, arrived) unchanged when layer 0
+        is the prompt's; else the KV is dropped, the request prefills locally and its done line says why (kv_fidelity,
+        kv_check), so the gateway demotes the pair. A check that cannot run never holds a request back."""
+        from backends.decode.kv_check import traffic_check
+
+        try:
+            out = await asyncio.wrap_future(m.run_task(lambda: traffic_check(m, ids, kv)))
+        except Exception as e:
+            self.metrics.kv_checks.labels(m.model_id, "error").inc()
+            log.warning("request %s: the real-traffic KV check could not run (%s: %s); decoding on the KV", rid,
+                        type(e).__name__, e)
+            return kv, arrived
+        self.metrics.kv_check_seconds.labels(m.model_id).inc(out["seconds"])
+        if out["ok"]:
+            self.metrics.kv_checks.labels(m.model_id, "passed").inc()
+            return kv, arrived
+        self.metrics.kv_checks.labels(m.model_id, "failed").inc()
+        what = out["message"]
+        log.warning("request %s: KV of %d tokens failed the real-traffic check: %s; prefilling locally", rid,
+                    out["tokens"], what)
+        kv.release()
+        return None, DoneLine("length", 0, 0, fallback_reason=Fallback.KV_FIDELITY, kv_check=what)
 
     async def _stream(self, resp, m: MLXModel, job: Job, done: DoneLine, t0: float) -> None:
         """Relay the job's tokens (stop strings matched here), then its done line, or an error line."""
@@ -255,3 +284,11 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     # A client that leaves cancels its handler at once, even while it only waits for KV (no write to fail yet):
     # its transfer is forgotten and its job leaves the batch at the next step.
     run_app(app, node, handler_cancellation=True)
+
+
+def _mlx_device() -> str:
+    """The device MLX runs attention on (`Device(gpu, 0)` on a Mac's Metal, `Device(cpu, 0)` on mlx-cpu): its
+    kernels, so its rounding, move with it."""
+    import mlx.core as mx
+
+    return f"mlx {mx.default_device()}"

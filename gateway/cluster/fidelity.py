@@ -4,7 +4,10 @@ busy node's 429, a timeout, a node unreachable) leaves it standing, marked stale
 and no verdict applies to them (first, or one of them restarted or changed what shapes its KV: its /health's boot_id
 and kv_identity), again after a failure (backoff), every `recheck_s` and on demand (POST /fidelity). While
 `[fidelity] required`, only a pair verified on the nodes as they are now (or vouched for by `[[fidelity.override]]`)
-takes the model's disaggregated path. Seen in /health, the disagg_kv_fidelity* gauges and the WARN/ERROR lines.
+takes the model's disaggregated path; a verified pair whose node restarted with the same KV identity (same digest)
+carries KV provisionally until its re-check says otherwise. A pair's calibrated allowance (`disagg fidelity
+calibrate`) rides on its canaries while both identities are the ones it was measured on. Seen in /health, the
+disagg_kv_fidelity* gauges and the WARN/ERROR lines.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kv_bridge.config.fidelity import FidelityCalibration, read_calibrations
 from kv_bridge.config.settings import Settings
 from kv_bridge.fidelity import Verdict, run_canary
 
@@ -26,7 +30,7 @@ from gateway.metrics import Metrics
 log = logging.getLogger("gateway.cluster.fidelity")
 Pair = tuple[str, str, str]  # (model, prefill node, decode node)
 Identity = tuple  # ((prefill boot, its KV digest), (decode boot, its KV digest)) for the pair's model
-GAUGE = {"verified": 1, "failed": 0, "pending": -1, "checking": -1, "unchecked": -1, "error": -2}
+GAUGE = {"verified": 1, "provisional": 0.5, "failed": 0, "pending": -1, "checking": -1, "unchecked": -1, "error": -2}
 
 
 @dataclass
@@ -42,6 +46,7 @@ class _PairState:
     fields: dict | None = None  # node -> its kv_identity fields when the verdict was measured (to say what changed)
     seen: Identity | None = None  # the nodes as the last tick saw them (to log a change once)
     seen_fields: dict | None = None
+    forced: float | None = None  # monotonic: when an operator last forced its canary (POST /fidelity)
 
 
 def _backoff(base: float, n: int, cap: float) -> float:
@@ -69,6 +74,8 @@ class Fidelity:
                             "canary says, because: %s", *pair, "always used" if ov.usable else "never used",
                             ov.reason)
         metrics.refreshers.append(self._refresh)
+        self._calibrations: list[FidelityCalibration] = []
+        self._calibrations_seen: float | None = None  # the file's mtime when read (re-read when it moves)
 
     # ---- what routing and operators read ----
 
@@ -99,17 +106,29 @@ class Fidelity:
         v = self._current(pair)
         if v is not None:
             return v.ok
-        return not self.cfg.required
+        return self._provisional(pair) or not self.cfg.required
+
+    def _provisional(self, pair: Pair) -> bool:
+        """Verified on these nodes' KV identities, and only a process changed since (a restart: the same digests on
+        both sides): the pair carries KV until its re-check, which demotes it if it fails."""
+        st = self.pairs[pair]
+        if st.verdict is None or not st.verdict.ok or st.identity is None or not self._both_up(pair):
+            return False
+        digests = [kv for _, kv in self._identity(pair)]
+        return None not in digests and digests == [kv for _, kv in st.identity]
 
     def state(self, pair: Pair) -> str:
-        """unchecked (canary off) | verified | failed (a verdict that applies) | checking | error (the last try
-        could not run) | pending (no verdict applies yet)."""
+        """unchecked (canary off) | verified | failed (a verdict that applies) | provisional (verified before a
+        restart that kept the KV identity, re-check pending) | checking | error (the last try could not run) |
+        pending (no verdict applies yet)."""
         st = self.pairs[pair]
         if not self.cfg.enabled:
             return "unchecked"
         v = self._current(pair)
         if v is not None:
             return v.state
+        if self._provisional(pair):
+            return "provisional"
         if st.task is not None:
             return "checking"
         return "error" if st.error is not None else "pending"
@@ -136,7 +155,8 @@ class Fidelity:
                    "last_error": None if st.error is None else st.error.message,
                    "age_s": None if v is None else round(now - st.at, 1),
                    "stale": v is not None and (st.error is not None or not self._both_up(pair)),
-                   "override": None if ov is None else {"usable": ov.usable, "reason": ov.reason}}
+                   "override": None if ov is None else {"usable": ov.usable, "reason": ov.reason},
+                   "calibration": self._calibration_row(pair)}
             nxt = self._next_check(pair, now)
             row["next_check_s"] = None if nxt is None or not self.cfg.enabled else round(nxt, 1)
             if st.verdict is not None and v is None:
@@ -146,6 +166,9 @@ class Fidelity:
                 row["summary"] = v.summary() + self._stale_note(pair, row)
             elif st.error is not None:
                 row["summary"] = st.error.summary()
+            if row["state"] == "provisional":
+                row["summary"] = (f"provisional: {row['reverify']}; carries KV on its verdict of "
+                                  f"{_ago(now - st.at)} ago ({st.verdict.summary()}) until its re-check")
             out.append(row)
         return out
 
@@ -164,6 +187,37 @@ class Fidelity:
             metrics.fidelity_errors.labels(*pair).set(st.errors)
             metrics.fidelity_usable.labels(*pair).set(1 if self.usable(*pair) else 0)
             metrics.fidelity_age.labels(*pair).set(-1 if self._current(pair) is None else now - st.at)
+
+    # ---- calibration (`disagg fidelity calibrate`) and what the canary is told ----
+
+    def _calibration(self, pair: Pair) -> FidelityCalibration | None:
+        """The pair's calibrated allowance, if it was measured on both nodes' KV identities as they are now."""
+        path = self.cfg.calibration_path()
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            mtime = None
+        if mtime != self._calibrations_seen:  # written by `disagg fidelity calibrate` while the gateway runs
+            try:
+                self._calibrations = read_calibrations(path)
+            except ValueError as e:
+                log.error("KV fidelity calibrations not used: %s", e)
+                self._calibrations = []
+            self._calibrations_seen = mtime
+        digests = [kv for _, kv in self._identity(pair)]
+        return next((c for c in self._calibrations if (c.model, c.prefill, c.decode) == pair
+                     and c.applies(*digests)), None)
+
+    def _calibration_row(self, pair: Pair) -> dict | None:
+        c = self._calibration(pair)
+        return None if c is None else {"allowance": c.allowance, "date": c.date, "reason": c.reason}
+
+    def _expect(self, pair: Pair) -> dict:
+        """What the decode node's /v1/fidelity/expect is told: the prefill side's weights (the allowance class is
+        the pair's) and the pair's calibrated allowance."""
+        weights = (self.pool.nodes[pair[1]].kv_identity.get(pair[0]) or {}).get("weights")
+        cal = self._calibration(pair)
+        return {k: x for k, x in (("prefill_weights", weights), ("allowance", cal and cal.allowance)) if x is not None}
 
     # ---- running the canary ----
 
@@ -192,8 +246,10 @@ class Fidelity:
         st = self.pairs[pair]
         ident = self._identity(pair)
         if st.seen is not None and ident != st.seen and st.verdict is not None:
-            log.warning("KV fidelity of %s on %s -> %s: %s; checked again before it carries KV", *pair,
-                        self._changes(st.seen, ident, pair, st.seen_fields))
+            then = ("its KV identity is the same: it carries KV provisionally while it is checked again"
+                    if self._provisional(pair) else "checked again before it carries KV")
+            log.warning("KV fidelity of %s on %s -> %s: %s; %s", *pair,
+                        self._changes(st.seen, ident, pair, st.seen_fields), then)
             st.retry_at, st.failures = 0.0, 0  # a new node is not behind the old one's backoff
         st.seen, st.seen_fields = ident, self._fields(pair)
         if st.task is not None or not self._both_up(pair) or now < st.retry_at:
@@ -222,7 +278,8 @@ class Fidelity:
         model, p, d = pair
         nodes, started, fields = self.pool.nodes, self._identity(pair), self._fields(pair)
         try:
-            v = await run_canary(session, model, (p, nodes[p].url), (d, nodes[d].url), {}, self.cfg.timeout_s)
+            v = await run_canary(session, model, (p, nodes[p].url), (d, nodes[d].url), {}, self.cfg.timeout_s,
+                                 self._expect(pair))
         finally:
             self.pairs[pair].task = None
         self._record(pair, v, started, fields)
@@ -240,22 +297,35 @@ class Fidelity:
             log.info("KV fidelity of %s on %s -> %s: a node changed while the canary ran (%s); it runs again",
                      *pair, self._changes(started, self._identity(pair), pair, fields))
             return
-        was = self._current(pair)
+        was, provisional = self._current(pair), self._provisional(pair)
         st.verdict, st.at, st.identity, st.fields, st.error, st.errors = v, now, started, fields, None, 0
         self.metrics.fidelity_error.labels(*pair).set(v.error if v.error is not None else -1)
         if v.ok:
             st.failures, st.retry_at = 0, 0.0
             again = " again (it had failed)" if was is not None and not was.ok else ""
-            log.info("KV fidelity of %s on %s -> %s verified%s: %s, %.1fs", *pair, again,
-                     v.summary().removeprefix("verified: "), v.seconds)
+            level = logging.WARNING if v.over_allowance else logging.INFO
+            log.log(level, "KV fidelity of %s on %s -> %s verified%s: %s, %.1fs", *pair, again,
+                    v.summary().removeprefix("verified: "), v.seconds)
             return
         st.failures += 1
         wait = _backoff(self.cfg.failed_retry_s, st.failures, self.cfg.retry_max_s)
         st.retry_at = now + wait
         level = logging.WARNING if was is None or was.ok else logging.INFO  # once per fall, not per retry
         cause = v.summary().removeprefix("failed: ").removeprefix("worst ")
-        log.log(level, "KV fidelity of %s on %s -> %s FAILED: %s (wire %s, KV %s); %s; checked again in %s", *pair,
-                cause, v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
+        log.log(level, "KV fidelity of %s on %s -> %s FAILED%s: %s (wire %s, KV %s); %s; checked again in %s",
+                *pair, " (demoted: it carried KV provisionally after a restart)" if provisional else "", cause,
+                v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
+
+    def demote(self, model: str, prefill: str, decode: str, finding: str) -> None:
+        """A real request's KV failed the decode node's layer-0 check (its done line's kv_check): the pair is failed
+        now, as a failed canary would leave it (the canary, after the backoff, may verify it again: a fault only
+        long prompts reach then fails the next long request again, each answered by a local prefill)."""
+        pair = (model, prefill, decode)
+        if pair not in self.pairs:
+            return
+        v = Verdict(model, prefill, decode, "failed", metric="real-traffic position error",
+                    message=f"a request's KV failed the decode node's layer-0 check: {finding}")
+        self._record(pair, v, self._identity(pair), self._fields(pair))
 
     def _consequence(self, pair: Pair) -> str:
         ov = self.cfg.override_for(*pair)
@@ -264,6 +334,8 @@ class Fidelity:
         v = self._current(pair)
         if v is not None:
             return "its requests go on disaggregated" if v.ok else f"this pair's requests prefill on {pair[2]} instead"
+        if self._provisional(pair):
+            return "its requests go on disaggregated provisionally (a restart kept its KV identity)"
         if not self.cfg.required:
             return "its requests take the disaggregated path unverified ([fidelity] required = false)"
         return f"its requests prefill on {pair[2]} until it is verified"
@@ -279,11 +351,24 @@ class Fidelity:
                 *pair, st.errors, f", alert after {self.cfg.alert_after_errors}" if alert else "", v.message, keeps,
                 self._consequence(pair), _ago(st.retry_at - time.monotonic()))
 
+    def recheck_wait(self, model: str | None = None) -> float:
+        """Seconds until an operator may force the canary of every up pair (of `model`) again: `recheck_min_s` after
+        the last forced one (a borderline pair is not re-judged at will); 0: now. A canary running counts as now."""
+        now, waits = time.monotonic(), [0.0]
+        for pair, st in self.pairs.items():
+            if (model is None or pair[0] == model) and self._both_up(pair) and st.task is None \
+                    and st.forced is not None:
+                waits.append(st.forced + self.cfg.recheck_min_s - now)
+        return max(waits)
+
     async def check_now(self, session: aiohttp.ClientSession, model: str | None = None) -> list[dict]:
-        """On demand: the canary of every pair (of `model`) whose nodes are up, one after another (pairs share
-        links and MLX threads); waits for the verdicts. A canary that cannot run (a busy node) changes no verdict."""
+        """On demand (an operator's; callers check recheck_wait first): the canary of every pair (of `model`) whose
+        nodes are up, one after another (pairs share links and MLX threads); waits for the verdicts. A canary that
+        cannot run (a busy node) changes no verdict."""
         for pair, st in self.pairs.items():
             if (model is None or pair[0] == model) and self._both_up(pair):
+                if st.task is None:
+                    st.forced = time.monotonic()
                 task = st.task or self._start(session, pair)  # one already running answers for this pair
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(task)

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import aiohttp
 
@@ -49,9 +49,11 @@ class Generation:
     def __init__(self, client: NodeClient, lease: Lease, route: ModelRoute, decode: NodeState,
                  prefill: NodeState | None, prompt: list[int], fallbacks: list[str] | None = None, *,
                  ticket: Ticket | None = None, rates: Rates | None = None,
-                 reroute: PrefillRoute | None = None, predicted_ttft_s: float | None = None) -> None:
+                 reroute: PrefillRoute | None = None, predicted_ttft_s: float | None = None,
+                 demote: Callable[[str, str, str, str], None] | None = None) -> None:
         self._client, self._lease, self._metrics = client, lease, client.pool.metrics
         self._rates = rates  # learned rates, fed from the done line
+        self._demote = demote  # (model, prefill, decode, finding): a KV that failed the decode node's check
         self.route, self.decode, self.prompt = route, decode, prompt
         self.fallbacks = list(fallbacks or [])  # reasons, in the order they happened
         self.predicted_ttft_s = predicted_ttft_s  # the cost model's time to first token of the chosen path
@@ -188,6 +190,8 @@ class Generation:
                 if self.done.fallback_reason:
                     self.fallbacks.append(self.done.fallback_reason)
                     self._metrics.fallback(self.route.id, self.done.fallback_reason)
+                    if self.done.fallback_reason == Fallback.KV_FIDELITY and self._demote and self.prefill:
+                        self._demote(self.route.id, self.prefill.name, self.decode.name, self.done.kv_check or "")
                 return
             elif kind == "error":
                 raise UpstreamError(f"decode node {self.decode.name} failed: {msg.get('message')}")

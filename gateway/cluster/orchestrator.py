@@ -46,10 +46,12 @@ class Orchestrator:
 
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, pool: NodePool,
                  detokenize: Callable[[str, list[int]], str] | None = None,
-                 usable: Callable[[str, str, str], bool] | None = None) -> None:
+                 usable: Callable[[str, str, str], bool] | None = None,
+                 demote: Callable[[str, str, str, str], None] | None = None) -> None:
         check_upstreams(settings.models)
         # (model, prefill node, decode node) -> may it carry KV now (the fidelity canary, gateway/cluster/fidelity.py)
         self._usable = usable or (lambda model, prefill, decode: True)
+        self._demote = demote  # (model, prefill, decode, finding): a request's KV failed the decode node's check
         # (model id, token ids) -> text; a mid-stream failover recomputes the text the broken node held back with it.
         self._detokenize = detokenize
         self.pool = pool
@@ -223,7 +225,7 @@ class Orchestrator:
                                lambda node, tokens: self._admit(route, node, tokens), self.prefill_stall_s)
         lease = self._lease(route, decode, prefix, 0 if prefill else len(prompt))
         return Generation(self.client, lease, route, decode, prefill, prompt, fallbacks, ticket=ticket,
-                          rates=self.rates, reroute=reroute, predicted_ttft_s=predicted)
+                          rates=self.rates, reroute=reroute, predicted_ttft_s=predicted, demote=self._demote)
 
     def _remembered(self, route: ModelRoute, prefix: list[bytes]) -> str | None:
         """The decode node that served this prompt's longest remembered prefix, if it is in the model's pool."""

@@ -31,6 +31,12 @@ class AuthConfig(BaseModel):
         default_factory=list, description="Bearer keys clients must send; [] = open")
     api_keys_file: Path | None = Field(default=None, description="more keys, one a line (# comments); relative to "
                                        "the config file's folder")
+    operator_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Bearer keys of the site's operators: only they (or the node token, "
+        "derived from the node secret) may force a KV fidelity re-check (POST /fidelity) while client keys are set; a "
+        "client key may not")
+    operator_keys_file: Path | None = Field(default=None, description="more operator keys, one a line; relative to "
+                                            "the config file's folder")
     protect_health: bool = Field(default=False, description="/health and / need a key too (when keys are set)")
     protect_metrics: bool = Field(default=False, description="/metrics needs a key too (when keys are set)")
     node_secret: SecretStr | None = Field(default=None, description="shared by the gateway and every node")
@@ -47,18 +53,18 @@ class AuthConfig(BaseModel):
         "\"ollama\" (/api/*), \"openai\" (/v1/*), \"anthropic\" (/v1/messages), or \"all\" (every route, the "
         "gateway's own /fidelity and vLLM's /tokenize too)")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "operator_keys", mode="before")
     @classmethod
     def _split(cls, value):
         if isinstance(value, str):
             value = json.loads(value) if value.lstrip().startswith("[") else [k for k in value.split(",") if k.strip()]
         return [k.strip() if isinstance(k, str) else k for k in value] if isinstance(value, list) else value
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "operator_keys")
     @classmethod
-    def _keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+    def _keys(cls, keys: list[SecretStr], info) -> list[SecretStr]:
         for k in keys:
-            check_key(k.get_secret_value(), "auth.api_keys")
+            check_key(k.get_secret_value(), f"auth.{info.field_name}")
         return keys
 
     @model_validator(mode="after")
@@ -98,13 +104,14 @@ class AuthConfig(BaseModel):
 
     def client_keys(self) -> list[str]:
         """Every accepted API key: api_keys plus api_keys_file's lines. Raises ConfigError for an unreadable file."""
-        keys = [k.get_secret_value() for k in self.api_keys]
-        if self.api_keys_file is not None:
-            for n, line in enumerate(read_secret_file(self.api_keys_file, "auth.api_keys_file").splitlines(), 1):
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    keys.append(check_key(line, f"line {n} of auth.api_keys_file", ConfigError))
-        return keys
+        return _keys(self.api_keys, self.api_keys_file, "auth.api_keys_file")
+
+    def operator_credentials(self) -> list[str]:
+        """Every credential that may force a KV fidelity re-check: operator_keys, operator_keys_file's lines and the
+        node token (the gateway's own, which `disagg status --recheck --config F` derives from the same secret)."""
+        keys = _keys(self.operator_keys, self.operator_keys_file, "auth.operator_keys_file")
+        token = self.node_token()
+        return keys + ([token] if token else [])
 
     def secret(self) -> bytes | None:
         """The node secret, or None when nodes run open. Raises ConfigError for an unreadable or weak file."""
@@ -142,3 +149,13 @@ class AuthConfig(BaseModel):
                           f"[auth] node_secret (or DISAGG_AUTH__NODE_SECRET, or node_secret_file) on the gateway "
                           f"and every node; make one with {GEN_SECRET}. To run open on a trusted network anyway, "
                           f"set auth.insecure_nodes = true")
+
+
+def _keys(listed: list[SecretStr], file: Path | None, field: str) -> list[str]:
+    keys = [k.get_secret_value() for k in listed]
+    if file is not None:
+        for n, line in enumerate(read_secret_file(file, field).splitlines(), 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(check_key(line, f"line {n} of {field}", ConfigError))
+    return keys

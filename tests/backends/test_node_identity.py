@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
-from backends.common import kv_identity, machine, node_app
+from backends.common import kv_identity, machine, node_app, project_version
 from tests.support import tiny_models
 from tests.support.stack import free_port
 
@@ -67,5 +67,8 @@ def test_a_decode_node_reports_its_models_kv_identity(tmp_path, empty_config):
     plain = service().health()["kv_identity"]["tiny"]
     assert plain["kv_dtype"] == "float32" and plain["kv_bits"] is None and plain["fingerprint"]
     assert plain["versions"]["mlx"] != "-"
+    # issue #50: a restart keeps the identity only when the attention backend and the project's code are the same
+    assert plain["attention_backend"].startswith("mlx Device(") and plain["weights"] == {"scheme": "none", "bits": None}
+    assert plain["project"].split()[1] == project_version().split()[1] and len(plain["project"].split()[1]) == 12
     quantized = service(kv_bits=8).health()["kv_identity"]["tiny"]  # another KV: another digest
     assert quantized["kv_bits"] == 8 and quantized["digest"] != plain["digest"]

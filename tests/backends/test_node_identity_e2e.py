@@ -27,6 +27,8 @@ def test_each_node_says_who_it_is_and_what_shapes_its_kv(stack):
     assert p["model_dtype"] == "torch.float32" and p["fingerprint"] == d["fingerprint"] == \
         prefill["fingerprint"][MODEL_ID]
     assert d["kv_dtype"] == "float32" and len(p["digest"]) == len(d["digest"]) == 16
+    # issue #50: a restart is provisional only with the same attention backend and the same project code
+    assert p["attention_backend"] and p["project"] == d["project"] and p["weights"] == d["weights"]
     assert _get(stack.url("prefill-0") + "/health", stack.node_headers)["kv_identity"] == prefill["kv_identity"]
     nodes = {n["name"]: n for n in _get(stack.url("gateway") + "/health", {})["nodes"]}
     assert nodes["prefill-0"]["boot_id"] == prefill["boot_id"] != decode["boot_id"] == nodes["decode-0"]["boot_id"]

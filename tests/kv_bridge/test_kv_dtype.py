@@ -125,6 +125,8 @@ def test_in_flight_cap_and_pool_count_the_held_bytes(empty_config):
         assert rx.inflight_bytes == 100 * per_token_bf16
         with pytest.raises(ValueError, match="not supported on a decode node"):
             rx.expect("d", 1, SPEC, dtype="float8_e4m3")
+        rx.expect("canary", 10, SPEC, exempt=True)  # the fidelity canary: over the cap, still held (issue #50)
+        assert rx.inflight_bytes == 100 * per_token_bf16 + 10 * per_token_bf16 * 2
     asyncio.run(go())
     k, v = kv_data(100)
     cfg = KVConfig(max_transfer_bytes=100 * per_token_bf16)  # the header's bound counts the bytes held too

@@ -66,6 +66,7 @@ class FakeNode:
         self.boot_id: str | None = uuid.uuid4().hex
         self.kv_digest: str | None = "kv0"
         self.kv_dtype = "float32"  # shown beside the digest (a real node lists every field it hashes)
+        self.weights: dict | None = None  # its kv_identity's weight_precision ({"scheme", "bits"}); None: left out
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -95,7 +96,8 @@ class FakeNode:
         if self.boot_id is not None:
             body["boot_id"] = self.boot_id
         if self.kv_digest is not None:
-            body["kv_identity"] = {self.model_id: {"digest": self.kv_digest, "dtype": self.kv_dtype}}
+            ident = {"digest": self.kv_digest, "dtype": self.kv_dtype}
+            body["kv_identity"] = {self.model_id: ident if self.weights is None else {**ident, "weights": self.weights}}
         return web.json_response(body)
 
 
@@ -108,7 +110,7 @@ class _Transfer:
 
 
 class FakeDecodeNode(FakeNode):
-    """Modes: None, "kv_error" (report fallback), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
+    """Modes: None, "kv_error" (report fallback), "kv_fidelity" (the KV arrived and failed the real-traffic check), "fail_mid_stream" (error line), "drop_mid_stream" (cut TCP),
     "http_500" (answer 500 before any stream starts), "kv_capacity" (answer 429 to requests that want KV and to the
     fidelity canary, as a real decode node over its kv.max_inflight_bytes does). A mid-stream failure comes after `break_after` tokens.
 
@@ -140,8 +142,10 @@ class FakeDecodeNode(FakeNode):
         # The KV fidelity canary (backends/decode/canary.py's routes): the worst relative error this node "measures" on the
         # KV a prefill node delivers; past the float32 tolerance (0.01) the verdict is failed.
         self.fidelity_error = 1e-5
+        self.excess = 0.1  # the rel. RMS allowance past the wire's own it reports needing (calibration)
         self.canaries = 0
         self.canary_hold: asyncio.Event | None = None  # set: every canary's comparison waits for it
+        self.canary_bodies: list[dict] = []  # what each /v1/fidelity/expect asked (the pair's weights, an allowance)
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/generate", self._generate)
@@ -156,6 +160,7 @@ class FakeDecodeNode(FakeNode):
             resp = _error(429, "over kv.max_inflight_bytes (fake)")
             resp.headers["Retry-After"] = "1"
             return resp
+        self.canary_bodies.append(await request.json())
         tid = f"canary-{uuid.uuid4().hex}"
         ids = self.tok.encode("The river town of Alder Bend kept its records in a stone hall.").ids
         self._transfers[tid] = _Transfer(len(ids) - 1)
@@ -176,7 +181,7 @@ class FakeDecodeNode(FakeNode):
         return web.json_response({**base, "state": "failed" if bad else "verified", "error": self.fidelity_error,
                                   "layer": 3, "tensor": "K", "tolerance": 0.01, "wire_dtype": "float32",
                                   "kv_dtype": "float32", "greedy": "0/8" if bad else "8/8", "kl": 2.0 if bad else 1e-6,
-                                  "seconds": 0.01})
+                                  "seconds": 0.01, "excess": self.excess})
 
     def deliver_kv(self, request_id: str, tokens: int) -> bool:
         t = self._transfers.get(request_id)
@@ -260,6 +265,8 @@ class FakeDecodeNode(FakeNode):
             return 0, "kv_aborted"
         if self.mode == "kv_error" or t.delivered != t.expected:
             return 0, "kv_error"
+        if self.mode == "kv_fidelity":  # arrived, but its layer 0 failed the real-traffic check
+            return 0, "kv_fidelity"
         return t.expected, None
 
     def _continued(self, prompt: list[int]) -> int:
@@ -302,6 +309,7 @@ class FakeDecodeNode(FakeNode):
             "computed_tokens": n - kv_tokens - prefix, "fallback_reason": fallback,
             "kv_transfer_s": 0.02 if kv_tokens else 0.0, "kv_link_s": 0.005 if kv_tokens else 0.0,
             "kv_bytes": kv_tokens * 1000, "ttft_s": 0.01,
+            **({"kv_check": "K layer 0 position 40 error 1.4 (tolerance 0.1)"} if fallback == "kv_fidelity" else {}),
         })
 
     @staticmethod
@@ -384,7 +392,8 @@ def make_settings(decoders: list[FakeDecodeNode], prefills: list[FakePrefillNode
     return Settings(
         gateway={"host": "127.0.0.1", "port": free_port(), "request_timeout_s": 30.0, "health_interval_s": interval,
                  **(gateway or {})},
-        prefill={}, decode={}, kv={}, fidelity=fidelity or {}, nodes=nodes,
+        # an operator's re-check is not rate-limited here unless a test says so (tests post /fidelity back to back)
+        prefill={}, decode={}, kv={}, fidelity={"recheck_min_s": 0, **(fidelity or {})}, nodes=nodes,
         models=[{"id": MODEL_ID, "path": str(model_dir), "prefill": [p.name for p in prefills],
                  "decode": [d.name for d in decoders], "max_model_len": max_model_len,
                  "min_disagg_tokens": min_disagg_tokens, **(route or {})}],
@@ -525,8 +534,9 @@ class Cluster:
         checks = self._runner.app[STATE].fidelity  # in process: /health may need a key
 
         async def settled() -> bool:
-            return all(row["state"] not in ("pending", "checking") or fakes[row["prefill"]].down
-                       or fakes[row["decode"]].down for row in checks.snapshot())
+            return all(row["state"] not in ("pending", "checking") and not (row["state"] == "provisional"
+                                                                              and not row["last_error"])
+                       or fakes[row["prefill"]].down or fakes[row["decode"]].down for row in checks.snapshot())
         await self.wait_for(settled, timeout)
         return checks.snapshot()
 

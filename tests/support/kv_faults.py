@@ -1,5 +1,6 @@
-"""The KV fault catalogue of the fidelity canary (issue #41), as what a wrong layout adapter, wire or cache would
-hand the decode node: functions of the prefill side's per-layer KV [{"k", "v"}: (H, T, D) float32] -> the same."""
+"""The KV fault catalogue of the fidelity canary (issues #41, #50), as what a wrong layout adapter, wire, block table or
+cache would hand the decode node: functions of the prefill side's per-layer KV [{"k", "v"}: (H, T, D) float32] -> the
+same."""
 
 from __future__ import annotations
 
@@ -61,7 +62,81 @@ def stale_prefix(layers, other: list[dict] | None = None, **_):
     return _each(layers, mix)
 
 
+def scaled_down(layers, **_):
+    """V x0.85 (a downward scale: an fp8 scale read too small)."""
+    return [{"k": r["k"], "v": r["v"] * 0.85} for r in layers]
+
+
+def k_scaled_down(layers, **_):
+    return [{"k": r["k"] * 0.85, "v": r["v"]} for r in layers]
+
+
+def _blocks(x: np.ndarray, block: int) -> int:
+    return x.shape[1] // block
+
+
+def zero_blocks(layers, block: int = 16, at: tuple[int, ...] | None = None, **_):
+    """Blocks `at` read as zeros (block-table entries pointing at fresh blocks); default every third block from the
+    second: ~30% of the positions, which the canary's averages used to pass."""
+    def zero(t, li, x):
+        x = x.copy()
+        for b in at if at is not None else range(1, x.shape[1] // block, 3):
+            x[:, b * block:(b + 1) * block] = 0
+        return x
+    return _each(layers, zero)
+
+
+def block_swapped(layers, block: int = 16, a: int = 1, b: int = 5, **_):
+    """Blocks `a` and `b` exchanged (two block-table entries swapped)."""
+    def swap(t, li, x):
+        if (b + 1) * block > x.shape[1]:
+            return x
+        x = x.copy()
+        x[:, a * block:(a + 1) * block], x[:, b * block:(b + 1) * block] = \
+            x[:, b * block:(b + 1) * block].copy(), x[:, a * block:(a + 1) * block].copy()
+        return x
+    return _each(layers, swap)
+
+
+def other_block(layers, other: list[dict] | None = None, block: int = 16, at: int = 3, **_):
+    """Block `at` holds another request's KV of the same positions (a block shared in a mixed batch)."""
+    def mix(t, li, x):
+        x = x.copy()
+        x[:, at * block:(at + 1) * block] = other[li][t][:, at * block:(at + 1) * block]
+        return x
+    return _each(layers, mix)
+
+
+def slot_shift(layers, first: int = 64, **_):
+    """From position `first` on (a later prefill step) each position holds the one before it (slot mapping one off)."""
+    return _each(layers, lambda t, li, x: np.concatenate([x[:, :first], x[:, first - 1:-1]], axis=1))
+
+
+def head_scaled(layers, head: int = 0, **_):
+    """One KV head's V x1.2 (a per-head scale: a layer's gain reads ~1.05 over four heads)."""
+    def scale(t, li, x):
+        if t != "v":
+            return x
+        x = x.copy()
+        x[head] *= 1.2
+        return x
+    return _each(layers, scale)
+
+
+def window_cut(layers, window: int = 128, **_):
+    """A full-attention layer cut to a 128-token window: every position before the last `window` zero (on a canary
+    shorter than twice that, its last half)."""
+    def cut(t, li, x):
+        x = x.copy()
+        x[:, :x.shape[1] - min(window, x.shape[1] // 2)] = 0
+        return x
+    return _each(layers, cut)
+
+
 FAULTS = {"K/V swapped": kv_swapped, "layer shifted by one": layer_shifted, "KV heads 0/1 swapped": heads_swapped,
           "RoPE positions +1": rope_off_by_one, "window misplaced by 8": window_misplaced,
           "bf16 read as f16": dtype_misread, "fp8 K scale x1.25": fp8_scale_off, "V x1.2": v_too_large,
-          "stale prefix": stale_prefix}
+          "stale prefix": stale_prefix, "V x0.85": scaled_down, "K x0.85": k_scaled_down,
+          "zero-filled blocks": zero_blocks, "two blocks swapped": block_swapped,
+          "another request's block": other_block, "slot mapping shifted": slot_shift, "one V head x1.2": head_scaled,
+          "128-token window cut": window_cut}

@@ -85,7 +85,9 @@ dtype = "float32"
 [fidelity]
 enabled = {'true' if fidelity else 'false'}
 canary_tokens = 136
+start_canary_tokens = 0
 greedy_tokens = 4
+recheck_min_s = 0
 
 [decode]
 kv_timeout_s = {kv_timeout_s}
@@ -268,7 +270,9 @@ class Stack:
         while True:
             rows = [r for r in self.fidelity() if node in (None, r["prefill"], r["decode"])
                     and {r["prefill"], r["decode"]} <= running]
-            if all(r["state"] not in ("pending", "checking") for r in rows):
+            # a provisional pair (a restart that kept its KV identity) carries KV; its re-check (or its error) settles it
+            if all(r["state"] not in ("pending", "checking") and not (r["state"] == "provisional" and not r["last_error"])
+                   for r in rows):
                 return rows
             if time.monotonic() > deadline:
                 raise AssertionError(f"the gateway's KV canary did not settle in {timeout:.0f}s: {rows}")

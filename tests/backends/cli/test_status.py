@@ -124,18 +124,29 @@ async def test_status_table_flags_down_and_mismatch(site):
         MODEL_ID]}
 
 
-async def _fake_gateway(settings, key: str) -> web.AppRunner:
-    """A gateway that wants `key`: /health with a queue, POST /fidelity with no pairs; 401 without the key."""
-    def guarded(body):
+ROW = {"model": MODEL_ID, "prefill": "prefill-0", "decode": "decode-0", "state": "verified", "error": 0.02,
+       "layer": 3, "tensor": "K", "tolerance": 0.38, "usable": True}
+
+
+async def _fake_gateway(settings, key: str, operator: str | None = None, posts: list | None = None) -> web.AppRunner:
+    """A gateway that wants `key`: /health with a queue and one verified pair; 401 without the key. POST /fidelity
+    (recorded in `posts`) wants `operator` (else `key`): 200 the pair re-checked, 429 when asked twice."""
+    def guarded(body, want=key):
         async def handler(request):
-            if request.headers.get("Authorization") != f"Bearer {key}":
+            if posts is not None and request.method == "POST":
+                posts.append(request.headers.get("Authorization"))
+                if len(posts) > 1:
+                    return web.json_response({"error": {"message": "forced less than 60s ago"}}, status=429,
+                                             headers={"Retry-After": "42"})
+            if request.headers.get("Authorization") != f"Bearer {want}":
                 return web.json_response({"error": {"message": "invalid API key"}}, status=401)
             return web.json_response(body)
         return handler
 
     app = web.Application()
-    app.router.add_get("/health", guarded({"queue": {"models": {}, "waits": {}, "max_wait_s": 300}}))
-    app.router.add_post("/fidelity", guarded({"pairs": []}))
+    app.router.add_get("/health", guarded({"queue": {"models": {}, "waits": {}, "max_wait_s": 300},
+                                           "fidelity": [ROW] if posts is not None else []}))
+    app.router.add_post("/fidelity", guarded({"pairs": [{**ROW, "error": 0.01}]}, operator or key))
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, settings.gateway.host, settings.gateway.port).start()
@@ -161,11 +172,41 @@ async def test_status_from_a_machine_without_the_keys_file(tmp_path, monkeypatch
     try:
         result = await status.collect(settings, probe_bytes=0, timeout=2, key=none)
         assert result["queue"] is None and "--api-key" in result["key"] and "DISAGG_API_KEY" in result["key"]
-        assert {v.message for v in result["fidelity"]} == {"node down"}
+        assert {v.message for v in result["fidelity"]} == {"not read: no gateway answers (`disagg status --recheck` "
+                                                           "runs the canary against the nodes)"}
         result = await status.collect(settings, probe_bytes=0, timeout=2, key=status.client_key(settings, "sk-bad"))
         assert "refused the API key from --api-key" in result["key"]
         result = await status.collect(settings, probe_bytes=0, timeout=2, key=status.client_key(settings, "sk-good"))
         assert result["key"] is None and result["queue"]["max_wait_s"] == 300 and result["fidelity"] == []
+    finally:
+        await gateway.cleanup()
+
+
+async def test_status_reads_the_verdicts_and_only_recheck_runs_the_canary_with_the_operator_credential(
+        tmp_path, monkeypatch):
+    """Issue #50: plain `disagg status` runs no canary (GET /health's verdicts); --recheck POSTs /fidelity with the
+    node token (an operator credential), and a 429 within the gateway's interval shows the standing verdicts."""
+    monkeypatch.delenv(status.OPERATOR_KEY_ENV, raising=False)
+    settings = load_config(site_config(tmp_path))
+    token, posts = settings.auth.node_token(), []
+    gateway = await _fake_gateway(settings, "sk-good", operator=token, posts=posts)
+    key = status.client_key(settings, "sk-good")
+    try:
+        result = await status.collect(settings, probe_bytes=0, timeout=2, key=key)
+        (v,) = result["fidelity"]
+        assert posts == [] and v.state == "verified" and v.error == 0.02 and result["key"] is None
+        op = status.operator_key(settings)
+        assert op.source == "the node secret" and op.key == token
+        result = await status.collect(settings, probe_bytes=0, timeout=2, key=key, recheck=op)
+        assert posts == [f"Bearer {token}"] and result["fidelity"][0].error == 0.01
+        result = await status.collect(settings, probe_bytes=0, timeout=2, key=key, recheck=op)
+        assert "--recheck refused by the gateway (429 (Retry-After 42 s))" in result["key"]
+        assert result["fidelity"][0].error == 0.02  # the standing verdict, read
+        assert status.operator_key(settings, "op-flag").source == "--operator-key"
+        over = status.verdict_of({**ROW, "over_allowance": True, "message": "measure this pair's own allowance"})
+        (line,) = [x for x in status.render({"nodes": [], "links": [], "fidelity": [over]}).splitlines()
+                   if "prefill-0 -> decode-0" in x]
+        assert line.startswith("!!") and "verified (over allowance)" in line and status.passes(over)
     finally:
         await gateway.cleanup()
 
@@ -211,7 +252,7 @@ def test_the_fidelity_table_says_stale_and_override_and_the_exit_status_follows_
     ]
     verdicts = []
     for row in rows:
-        v = status._verdict(row)
+        v = status.verdict_of(row)
         v.lifecycle = status.Lifecycle.from_row(row)
         verdicts.append(v)
     assert [status.passes(v) for v in verdicts] == [True, True, False, False]

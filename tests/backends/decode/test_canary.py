@@ -69,3 +69,28 @@ def test_a_swapped_kv_through_the_prefix_path_fails_and_is_named(node_model):
     v = verdict("m", "decode-0", "float32", "float32", len(ids) - 1, out)
     assert v.state == "failed" and v.metric == "placement" and v.head is not None
     assert "better than its own slot" in v.message and f"layer {v.layer} head {v.head}" in v.summary()
+
+
+def _steps(gen) -> tuple[int, dict]:
+    n = 0
+    while True:
+        try:
+            next(gen)
+            n += 1
+        except StopIteration as done:
+            return n, done.value
+
+
+def test_the_reference_is_one_forward_and_quantized_weights_get_no_greedy_steps(node_model):
+    """Issue #50: a busy batch step between each of the canary's steps must not stretch it: MLX's own prefill is one
+    forward (one step), the comparison the next; greedy steps only where both sides hold the same weights."""
+    from backends.decode.canary import run
+
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, 3000, 100)]
+    steps, out = _steps(run(node_model, ids, _received(node_model.model, ids[:-1], 0), 3))
+    assert steps == 1 + 1 + 3 and out["greedy"] == "3/3"  # reference, then (yield) the greedy steps
+    steps, out = _steps(run(node_model, ids, _received(node_model.model, ids[:-1], 0), 3, weights="4", measure=True))
+    assert steps == 1 and out["greedy"] is None and out["kl"] is None and out["weights"] == "4"
+    assert 0 <= out["excess"] < 0.05 and out["excess_at"]["tensor"] in ("K", "V")  # float32 both sides: nothing
+    steps, _ = _steps(run(node_model, ids, _received(node_model.model, ids[:-1], 40), 3, 40, weights="8"))
+    assert steps == 2  # the held prefix's own forward, then the reference's

@@ -131,6 +131,17 @@ def test_sliding_layers_send_only_their_window():
     assert got.nbytes == (2 * 70 + 2 * 16) * H * D * 4 * 2
 
 
+def test_a_sliding_layer_0_travels_whole_for_the_real_traffic_check():
+    """gpt-oss's layer 0 slides: it still sends every position (the decode node recomputes and checks each one), its
+    other sliding layers only their window, and the received KV says where each layer's positions begin."""
+    k, v = kv_data(70)
+    got = asyncio.run(transfer_from([Rank(k, v, (1, 0), list(range(L)), window=(16, (0, 2)))], 70, chunks=(40,)))
+    assert np.array_equal(got.keys[0], k[0]) and np.array_equal(got.values[0], v[0])
+    assert not got.keys[2, :, :70 - 16].any() and np.array_equal(got.keys[2, :, 54:], k[2, :, 54:])
+    assert list(got.layer_first) == [0, 0, 54, 0]
+    assert got.nbytes == (3 * 70 + 16) * H * D * 4 * 2
+
+
 def test_overlapping_streams_are_refused():
     """Two streams claiming the same heads of the same layers (a replay): the second fails the transfer."""
     async def go():

@@ -1,0 +1,24 @@
+"""The canary's rounds per (model, prefill node): the long start canary first, then whole and prefix rounds in turn,
+each whole round with a fresh nonce and each prefix round on the text of the round before it (the prefill node's
+prefix cache serves its start); a configured prefix pins the prefix path; pairs keep their own count."""
+
+from __future__ import annotations
+
+from backends.decode.canary_plan import CanaryPlan
+
+
+def test_rounds_alternate_after_one_long_canary_and_prefix_rounds_reuse_the_text():
+    plan = CanaryPlan()
+    r = [plan.next("m", "p0", 136, 2304, 0) for _ in range(5)]
+    assert [x.tokens for x in r] == [2304, 136, 136, 136, 136]
+    assert [x.prefix for x in r] == [0, 68, 0, 68, 0]
+    assert r[1].nonce == r[0].nonce and r[3].nonce == r[2].nonce  # a prefix round: the previous text, cached
+    assert len({r[0].nonce, r[2].nonce, r[4].nonce}) == 3  # a whole round: a text no cache has seen
+    other = plan.next("m", "p1", 136, 2304, 0)  # another prefill node starts its own rounds
+    assert (other.tokens, other.prefix) == (2304, 0) and other.nonce not in {x.nonce for x in r}
+
+
+def test_a_configured_prefix_pins_the_prefix_path_and_no_start_canary_keeps_the_length():
+    plan = CanaryPlan()
+    r = [plan.next("m", "p0", 136, 0, 64) for _ in range(3)]
+    assert [(x.tokens, x.prefix) for x in r] == [(136, 64)] * 3
