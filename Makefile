@@ -8,7 +8,7 @@ EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
 AGENT_CLIS := node_modules/.installed
 
-.PHONY: install models serve site site-models test test-quick test-gpu tools clean
+.PHONY: install models serve site site-models test test-quick test-gpu test-cuda-build tools clean
 
 install: $(STAMP)
 
@@ -82,7 +82,21 @@ test-gpu:
 	$$py -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs torch with CUDA and a GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" \
 	&& { [ "$$py" = "$(PYTHON)" ] || $$py -m pip install -q pytest numpy; } \
 	&& VLLM_GPU_SYNC_CHECK=$(GPU_SYNC_CHECK) PYTHONPATH=$(CURDIR) \
-	  $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/kv_bridge/vllm/layouts/test_kv_cuda.py
+	  DISAGG_CUDA_PYTHON=$$py $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs \
+	  tests/kv_bridge/vllm/layouts/test_kv_cuda.py tests/backends/cli/doctor/test_gpu_arch_nodevice.py
+
+# The prefill image's build-time check (backends/cli/doctor/gpu_arch.py --build) under a torch whose CUDA is compiled
+# in but which sees no GPU, as `docker build` runs it: a venv with PyPI's CUDA torch and the project's base
+# dependencies (about 2.6 GB of wheels, 5.5 GB installed: torch's import needs its nvidia-* libraries, not a GPU or a
+# driver). Not part of `make test`; `make test-gpu` runs the same test with the GPU machine's torch, the GPU hidden.
+CUDA_TORCH_VENV ?= .venv-cuda-torch
+CUDA_TORCH ?= torch
+test-cuda-build: install
+	test -x $(CUDA_TORCH_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_TORCH_VENV)
+	$(CUDA_TORCH_VENV)/bin/python -c "import torch, pydantic_settings" 2>/dev/null \
+	  || $(CUDA_TORCH_VENV)/bin/pip install -q "$(CUDA_TORCH)" .
+	DISAGG_CUDA_PYTHON=$(abspath $(CUDA_TORCH_VENV))/bin/python $(BIN)/python -m pytest -v -p no:cacheprovider -m cuda \
+	  -rs tests/backends/cli/doctor/test_gpu_arch_nodevice.py
 
 clean:
 	rm -rf .disagg

@@ -22,6 +22,7 @@ COPY gateway ./gateway
 # base's torch and numpy. `docker run --rm --gpus all --entrypoint make disagg-prefill test-gpu`.
 COPY Makefile ./
 COPY tests/kv_bridge/vllm/layouts/test_kv_cuda.py ./tests/kv_bridge/vllm/layouts/
+COPY tests/backends/cli/doctor/test_gpu_arch_nodevice.py ./tests/backends/cli/doctor/
 # The base's vLLM stays (base dependencies only unless WITH_VLLM=1). The connector's own version check runs here,
 # so an image with a vLLM outside the tested range fails to build rather than restart-loop at engine start.
 # DL3013: this installs the project itself; its dependencies are pinned in pyproject.toml. DL3008: make from the
