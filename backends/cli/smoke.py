@@ -161,7 +161,7 @@ def _verdict_cause(row: dict, config: str) -> tuple[str, str]:
         return (f"{pair} is ruled out by a [[fidelity.override]]: {ov.get('reason')}",
                 f"remove that override from {config} (and restart the gateway) once its reason no longer holds")
     if state == "failed":
-        return (f"KV fidelity of {pair} FAILED: {summary}",
+        return (f"KV fidelity of {pair} FAILED: {summary.removeprefix('failed: ')}",
                 f"`disagg status --config {config}` runs the canary again now; if it still fails, report it with "
                 f"`disagg status --config {config} --json` and the gateway's WARN line ({FIDELITY_DOC}). Only a pair "
                 f"whose figures were checked by hand may carry KV anyway: a [[fidelity.override]] with usable = true "

@@ -86,7 +86,7 @@ def test_smoke_names_the_failed_pair_and_its_remedies(swapped):
     lines = out.stdout.splitlines()
     assert lines[1].startswith("!! smollm2:135m  local"), out.stdout
     cause = next(ln for ln in lines if ln.startswith("   cause: "))
-    assert f"KV fidelity of smollm2:135m prefill-0 -> decode-0 FAILED: failed: worst {row['tensor']} layer " \
+    assert f"KV fidelity of smollm2:135m prefill-0 -> decode-0 FAILED: worst {row['tensor']} layer " \
         f"{row['layer']}" in cause
     remedy = lines[lines.index(cause) + 1]
     assert remedy.startswith("   remedy: `disagg status --config") and "[[fidelity.override]]" in remedy

@@ -63,7 +63,7 @@ async def test_a_failed_canary_is_named_with_its_layer_and_the_remedies(empty_co
         await c.stop()
     assert not s.ok and s.path == "local" and s.kv_tokens == 0
     ((cause, remedy),) = s.causes
-    assert cause.startswith(f"KV fidelity of {MODEL_ID} prefill-0 -> decode-0 FAILED: failed: worst K layer 3")
+    assert cause.startswith(f"KV fidelity of {MODEL_ID} prefill-0 -> decode-0 FAILED: worst K layer 3")
     assert f"`disagg status --config {CONFIG}`" in remedy and "report it" in remedy
     assert "[[fidelity.override]] with usable = true" in remedy and "docs/kv_bridge.md" in remedy
     text = smoke.render({"url": c.url, "models": [s]})
