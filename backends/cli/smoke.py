@@ -48,6 +48,7 @@ class Smoke:
     fidelity: list[dict] = field(default_factory=list)  # the model's /health fidelity rows (the decode node's pairs)
     error: str | None = None
     causes: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (finding, remedy) that did not stop the split
 
 
 def target_tokens(route: ModelRoute, tokens: int | None, max_tokens: int) -> int:
@@ -87,6 +88,7 @@ def diagnose(smoke: Smoke, route: ModelRoute, health: dict | None, key: ClientKe
     smoke.fidelity = [r for r in rows if r["decode"] == smoke.decode_node] or rows
     smoke.ok = smoke.error is None and smoke.path == "disaggregated" and smoke.kv_tokens > 0
     if smoke.ok:
+        smoke.notes = _down(route, nodes, config)  # another node of the model: this request did not need it
         return
     if smoke.error is not None:
         smoke.causes += _refused(smoke, key, config, url)
@@ -306,11 +308,14 @@ def render(result: dict) -> str:
             lines.append(f"   KV fidelity {row['prefill']} -> {row['decode']}: {row.get('summary') or row['state']}")
         for cause, remedy in s.causes:
             lines += [f"   cause: {cause}", f"   remedy: {remedy}"]
+        for note, remedy in s.notes:
+            lines += [f"   note: {note}", f"   remedy: {remedy}"]
     return "\n".join(lines)
 
 
 def to_json(result: dict) -> dict:
-    models = [{**asdict(s), "causes": [{"cause": c, "remedy": r} for c, r in s.causes]} for s in result["models"]]
+    models = [{**asdict(s), "causes": [{"cause": c, "remedy": r} for c, r in s.causes],
+               "notes": [{"note": n, "remedy": r} for n, r in s.notes]} for s in result["models"]]
     return {"url": result["url"], "ok": all(s.ok for s in result["models"]), "models": models}
 
 

@@ -155,3 +155,17 @@ def test_a_refused_key_says_how_to_give_one():
     (c, r), = s.causes
     assert c == "the gateway wants a client key: no API key here (api_keys_file unreadable)"
     assert "--key KEY or set DISAGG_API_KEY" in r
+
+
+async def test_a_node_down_that_the_request_did_not_need_is_a_note(empty_config):
+    c = await Cluster(n_prefill=2).start()
+    try:
+        c.prefills[1].down = True
+        await c.wait_for(lambda: up(c, "prefill-1", False))
+        s = await run(c)
+    finally:
+        await c.stop()
+    assert s.ok and s.causes == [] and s.path == "disaggregated"
+    (note, remedy), = s.notes
+    assert note.startswith("prefill node prefill-1 is down") and "--node prefill-1" in remedy
+    assert "   note: prefill node prefill-1 is down" in smoke.render({"url": c.url, "models": [s]})
