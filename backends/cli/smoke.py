@@ -123,6 +123,12 @@ def _refused(smoke: Smoke, key: ClientKey, config: str, url: str) -> list[tuple[
         why = key.missing or f"it refused the key from {key.source}"
         return [(f"the gateway wants a client key: {why}",
                  f"pass --key KEY or set {API_KEY_ENV} (one line of the gateway box's api-keys file)")]
+    if smoke.status == 404:
+        return [(smoke.error, f"the running gateway does not serve {smoke.model}: restart it with {config}, or "
+                 f"--model one it lists at {url}/v1/models")]
+    if smoke.status == 503:
+        return [(smoke.error, "no decode node of the model can take it now: each one down is below; else it is "
+                 "full (retry)")]
     return [(smoke.error, "the gateway's log has the request's error")]
 
 
@@ -200,12 +206,20 @@ async def build_prompt(http, url: str, headers: dict, model: str, target: int) -
         status, _, body = await _json(http, "POST", f"{url}/tokenize", headers,
                                       json={"model": model, "messages": [{"role": "user", "content": text}]})
         if status != 200:
-            raise RuntimeError(f"/tokenize answered HTTP {status}: {_message(body)}")
+            raise Refused(status, f"the gateway's /tokenize answered HTTP {status}: {_message(body)}")
         n = body["count"]
         if target <= n <= target * 1.1:
             break
-        notes = max(1, int(notes * target / n))
+        notes = max(1, int(notes * target / n) + 1)
     return text, n
+
+
+class Refused(Exception):
+    """The gateway answered, with an error status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _message(body: dict) -> str:
@@ -258,7 +272,10 @@ async def run_model(http, url: str, headers: dict, route: ModelRoute, tokens: in
                 "options": {"num_predict": max_tokens, "temperature": 0}}
         smoke.status, got, answer = await _json(http, "POST", f"{url}/api/chat", headers, json=body)
         after = await _kv_metrics(http, url, headers, route.id)
-    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
+    except Refused as e:
+        smoke.status, smoke.error = e.status, str(e)
+        return smoke
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         smoke.error = f"{type(e).__name__}: {e}".rstrip(": ")
         return smoke
     if smoke.status != 200:

@@ -169,3 +169,15 @@ async def test_a_node_down_that_the_request_did_not_need_is_a_note(empty_config)
     (note, remedy), = s.notes
     assert note.startswith("prefill node prefill-1 is down") and "--node prefill-1" in remedy
     assert "   note: prefill node prefill-1 is down" in smoke.render({"url": c.url, "models": [s]})
+
+
+async def test_a_model_the_gateway_does_not_serve_is_its_answer(cluster):
+    """A config newer than the running gateway: the gateway's own refusal, with its status."""
+    other = cluster.settings.models[0].model_copy(update={"id": "qwen3-coder:30b", "aliases": []})
+    result = await smoke.collect(cluster.settings, [other], cluster.url, NO_KEY, config=CONFIG)
+    (s,) = result["models"]
+    assert not s.ok and s.status == 404 and s.path is None
+    (cause, remedy), = s.causes
+    assert cause.startswith("the gateway's /tokenize answered HTTP 404:") and "qwen3-coder:30b" in cause
+    assert remedy == f"the running gateway does not serve qwen3-coder:30b: restart it with {CONFIG}, or --model one " \
+        f"it lists at {cluster.url}/v1/models"
