@@ -356,6 +356,8 @@ def main(settings: Settings, config: str, models: list[str] | None = None, as_js
          timeout: float = 600.0) -> int:
     """Exit 0 when every model's request took the disaggregated path, 1 otherwise (each cause with its remedy)."""
     routes = select(settings, models)
+    for route in routes:  # a prompt that cannot take the split is the config's or the flags' fault: before any request
+        target_tokens(route, tokens, max_tokens)
     gateway = (url or settings.gateway.url()).rstrip("/")
     started = time.monotonic()
     result = asyncio.run(collect(settings, routes, gateway, client_key(settings, key), tokens, max_tokens, timeout,

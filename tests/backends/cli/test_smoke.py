@@ -181,3 +181,16 @@ async def test_a_model_the_gateway_does_not_serve_is_its_answer(cluster):
     assert cause.startswith("the gateway's /tokenize answered HTTP 404:") and "qwen3-coder:30b" in cause
     assert remedy == f"the running gateway does not serve qwen3-coder:30b: restart it with {CONFIG}, or --model one " \
         f"it lists at {cluster.url}/v1/models"
+
+
+def test_a_config_no_prompt_can_split_is_refused_before_any_request(empty_config, tmp_path, capsys):
+    from backends.cli.main import main
+
+    cfg = tmp_path / "site.toml"
+    cfg.write_text(f'[gateway]\nport = {free_port()}\n[[nodes]]\nname = "mac-0"\nrole = "decode"\nport = {free_port()}\n'
+                   f'kv_port = {free_port()}\n[[models]]\nid = "m"\npath = "{tmp_path}"\ndecode = ["mac-0"]\n'
+                   f'max_model_len = 512\nmin_disagg_tokens = 600\n')
+    assert main(["smoke", "--config", str(cfg)]) == 2
+    assert "m's min_disagg_tokens 600 leaves no prompt within max_model_len 512" in capsys.readouterr().err
+    assert main(["smoke", "--config", str(cfg), "--model", "gpt-oss:120b"]) == 2
+    assert "--model 'gpt-oss:120b' is not in [[models]]; known: ['m']" in capsys.readouterr().err
