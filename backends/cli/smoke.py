@@ -36,7 +36,8 @@ class Smoke:
     path: str | None = None  # x-disagg-path
     decode_node: str | None = None
     prompt_tokens: int = 0
-    kv_tokens: int = 0
+    kv_tokens: int = 0  # prompt tokens whose KV crossed from the prefill node
+    prefix_tokens: int = 0  # prompt tokens the decode node held already (the chat template's head: a cached prefix)
     kv_bytes: int | None = None
     ttft_s: float | None = None  # the gateway's, request arrival to first token (Ollama's load + prompt_eval)
     prefill_s: float | None = None  # the prefill call, KV streamed out while it computes
@@ -251,6 +252,7 @@ def _read_answer(smoke: Smoke, headers: dict, body: dict) -> None:
     h = {k.lower(): v for k, v in headers.items()}
     smoke.path, smoke.decode_node = h.get("x-disagg-path"), h.get("x-disagg-decode-node")
     smoke.kv_tokens = int(h.get("x-disagg-kv-tokens") or 0)
+    smoke.prefix_tokens = int(h.get("x-disagg-prefix-tokens") or 0)
     smoke.prefill_s = float(h.get("x-disagg-prefill-ms") or 0) / 1000 or None
     smoke.fallbacks = [f for f in (h.get("x-disagg-fallbacks") or "").split(",") if f]
     if h.get("x-disagg-predicted-ttft-ms"):
@@ -308,11 +310,11 @@ def _fig(x: float | None, fmt: str) -> str:
 
 
 def render(result: dict) -> str:
-    rows = [("MODEL", "PATH", "PROMPT", "KV TOKENS", "KV MiB", "TTFT s", "PREFILL s", "KV s", "DECODE tok/s",
+    rows = [("MODEL", "PATH", "PROMPT", "HELD", "KV TOKENS", "KV MiB", "TTFT s", "PREFILL s", "KV s", "DECODE tok/s",
              "DECODE NODE")]
     for s in result["models"]:
         rows.append((s.model, s.path or (f"HTTP {s.status}" if s.status else "-"), str(s.prompt_tokens or "-"),
-                     str(s.kv_tokens), _fig(None if s.kv_bytes is None else s.kv_bytes / 2**20, ".1f"),
+                     str(s.prefix_tokens), str(s.kv_tokens), _fig(None if s.kv_bytes is None else s.kv_bytes / 2**20, ".1f"),
                      _fig(s.ttft_s, ".2f"), _fig(s.prefill_s, ".2f"), _fig(s.kv_transfer_s, ".2f"),
                      _fig(s.decode_tokens_per_s, ".1f"), s.decode_node or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

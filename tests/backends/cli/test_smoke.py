@@ -33,7 +33,7 @@ async def test_a_long_prompt_takes_the_split_with_its_figures(cluster):
     s = await run(cluster)
     assert s.ok and s.causes == [] and (s.status, s.path, s.decode_node) == (200, "disaggregated", "decode-0")
     assert 512 <= s.prompt_tokens <= 1.1 * 512  # twice min_disagg_tokens (32), raised to the 512 floor
-    assert s.kv_tokens == s.prompt_tokens - 1  # the last prompt token runs on the decode node
+    assert s.prefix_tokens == 0 and s.kv_tokens == s.prompt_tokens - 1  # the last token runs on the decode node
     assert cluster.prefill.requests[-1]["token_ids"] == cluster.decode.requests[-1]["token_ids"][:-1]
     # The fake decode node reports 1000 B a token and 0.02 s a transfer: /metrics' counters moved by this one request
     assert s.kv_bytes == 1000 * s.kv_tokens and s.kv_transfer_s == pytest.approx(0.02)
