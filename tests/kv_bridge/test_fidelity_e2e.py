@@ -81,7 +81,7 @@ def test_smoke_names_the_failed_pair_and_its_remedies(swapped):
     """`disagg smoke` on this site: exit 1, the pair's verdict with its layer, and what to do (backends/cli/smoke.py)."""
     (row,) = swapped.wait_fidelity()
     out = subprocess.run([sys.executable, "-m", "backends.cli.main", "smoke", "--config", str(swapped.config),
-                          "--max-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--tokens", "200", "--max-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].startswith("!! smollm2:135m  local"), out.stdout
