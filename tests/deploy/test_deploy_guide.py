@@ -224,6 +224,30 @@ def test_the_guide_runs_in_order_in_the_seeds_network(switch, tmp_path):
     assert {m for m, a, _ in jobs if a[0] == "doctor"} == set(w.nodes)  # every machine's own doctor line ran
 
 
+def test_a_thunderbolt_bridge_address_fails_the_macs_doctor(switch, tmp_path):
+    """Section 1: a second interface on 169.254/16 (a Mac's Thunderbolt Bridge, self-assigned) fails doctor's
+    link-local line, naming the fix; the guide's doctor line, as pasted, on mac-studio-1's namespace."""
+    opt = tmp_path / "opt"
+    opt.mkdir()
+    (opt / "config.toml").write_text(SEEDS.read_text())
+    (opt / "node-secret").write_text("guide-test-secret-0123456789abcdef\n")
+    (opt / "node-secret").chmod(0o600)
+    line = next(c for b in blocks(GUIDE.read_text()) if b.machines == ("mac-studio-1",) for c in b.commands
+                if "doctor" in c)
+    ns = switch["mac-studio-1"]
+    _ip("-n", ns, "link", "add", "bridge0", "type", "veth", "peer", "name", "tb1")
+    try:
+        _ip("-n", ns, "addr", "add", "169.254.77.5/16", "dev", "bridge0")
+        _ip("-n", ns, "link", "set", "bridge0", "up")
+        _ip("-n", ns, "link", "set", "tb1", "up")
+        r = _as_site_user(ns, _disagg_args(line.split()), opt, tmp_path)
+    finally:
+        _ip("-n", ns, "link", "del", "bridge0")
+    assert "Traceback" not in r.stderr and r.returncode == 1, r.stdout + r.stderr
+    assert re.search(r"FAIL  link-local: 2 interfaces hold 169.254.0.0/16 addresses .*bridge0", r.stdout), r.stdout
+    assert "Thunderbolt Bridge" in r.stdout
+
+
 def _compose(repo: Path) -> None:
     """`docker compose -f docker/compose.yaml -p disagg ...`: `config`, with the `.env` the guide wrote by then."""
     assert (repo / "docker/.env").is_file(), "docker/.env is not written yet"
