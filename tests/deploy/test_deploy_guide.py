@@ -44,6 +44,14 @@ def test_every_block_names_its_machines_and_passes_the_static_walk():
     assert not w.problems, "\n".join(w.problems)
 
 
+def test_every_file_the_prose_names_exists():
+    """Besides the blocks' (the walk), every repository path the guide's text names in backticks."""
+    text = GUIDE.read_text()
+    named = set(re.findall(r"`((?:docker|examples|docs|tests|backends|bench|gateway|kv_bridge)/[\w./-]+)", text))
+    made = {"docker/.env"}  # section 2 writes it
+    assert len(named) > 10 and not {p for p in named - made if not (ROOT / p.rstrip(".")).exists()}
+
+
 def test_each_mac_prepares_only_its_own_model_and_each_doctor_its_own_node():
     bs, w = _walk()
     for mac in ("mac-studio-1", "mac-studio-2"):
