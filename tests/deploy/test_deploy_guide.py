@@ -1,7 +1,6 @@
-"""docs/deploy.md as pasted: its blocks in order, each on the machine it names. Every command is checked statically
-(tests/support/deploy_guide.py: the CLI's parser, files, names, launchctl domains, tools in the order they exist);
-what a Linux box can run is run, in network namespaces joined by a bridge that stands for the seeds' switch, each
-holding its machine's address, as uid 4242 with no passwd entry and no HOME (as the images run `disagg`)."""
+"""docs/deploy.md as pasted, block by block on the machine each names: every command checked statically
+(tests/support/deploy_guide.py), and what Linux can run run in network namespaces on a bridge standing for the
+seeds' switch, each holding its machine's address, as uid 4242 with no passwd entry and no HOME."""
 
 from __future__ import annotations
 

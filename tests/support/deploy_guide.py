@@ -1,7 +1,6 @@
-"""docs/deploy.md as an admin pastes it: its fenced blocks in order (each names its machines: ```sh on=spark-1), split
-into commands, and a static walk of them: every `disagg` line against the CLI's own parser, files, node and model
-names against the seeds' file, launchctl domains against the plist's kind, each tool on its machine in the order
-things exist there."""
+"""docs/deploy.md as pasted: its fenced blocks in order (```sh on=spark-1), their commands, and a static walk: each
+`disagg` line against the CLI's parser, files, nodes and models against the seeds' file, launchctl domains against
+the plist's kind, each tool on its machine in the order things exist there."""
 
 from __future__ import annotations
 
