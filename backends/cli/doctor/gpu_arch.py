@@ -12,9 +12,9 @@ from typing import Callable
 
 from backends.cli.doctor.checks import FAIL, PASS, WARN, Check
 
-VENV_FIX = ("a vLLM built for CUDA 13 with this GPU's kernels: the prefill image on a CUDA 13 arm64 base "
-            "(--build-arg BASE=... --build-arg WITH_VLLM=1), or the venv route in docs/deploy.md section 3 "
-            "(vLLM's aarch64 +cu130 wheel, torch from https://download.pytorch.org/whl/cu130)")
+VENV_FIX = ("a vLLM built with this GPU's kernels: the prefill image on NVIDIA's PyTorch base "
+            "(--build-arg BASE=nvcr.io/nvidia/pytorch:25.11-py3 --build-arg WITH_VLLM=1), or the venv route in "
+            "docs/deploy.md section 3 (PyPI's vllm-0.32.0-cp38-abi3-manylinux_2_28_aarch64.whl and the torch it pins)")
 ARCH_NAMES = {"arm64": "aarch64", "aarch64": "aarch64", "amd64": "x86_64", "x86_64": "x86_64"}
 
 

@@ -38,7 +38,7 @@ def test_sm120_cubins_serve_121_but_not_the_other_way():
 
 def test_torch_without_them_fails_and_names_the_fix():
     c = gpu_arch.check_torch(GB10, CU124, "NVIDIA GB10")
-    assert c.status == FAIL and "sm_90" in c.detail and "cu130" in c.fix and "docs/deploy.md" in c.fix
+    assert c.status == FAIL and "sm_90" in c.detail and "manylinux_2_28_aarch64" in c.fix and "docs/deploy.md" in c.fix
 
 
 def test_ptx_only_warns():
@@ -50,7 +50,7 @@ def test_vllm_probe_outcomes():
     assert gpu_arch.check_vllm(lambda: None, GB10).status == PASS
     bad = gpu_arch.check_vllm(lambda: "RuntimeError: CUDA error: no kernel image is available for execution on the "
                               "device", GB10)
-    assert bad.status == FAIL and "sm_121" in bad.detail and "cu130" in bad.fix
+    assert bad.status == FAIL and "sm_121" in bad.detail and "manylinux_2_28_aarch64" in bad.fix
     assert gpu_arch.check_vllm(lambda: "AttributeError: module has no attribute 'rms_norm'", GB10).status == WARN
 
 
