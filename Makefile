@@ -8,7 +8,7 @@ EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
 AGENT_CLIS := node_modules/.installed
 
-.PHONY: install models draft-head serve site site-models test test-quick test-gpu tools clean
+.PHONY: install models draft-head serve site site-models test test-quick test-gpu test-cuda-build tools clean
 
 install: $(STAMP)
 
@@ -72,22 +72,36 @@ QUICK_WORKERS ?= 2
 test-quick: install models tools
 	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
 
-# The CUDA tests (tests/kv_bridge/vllm/layouts/test_kv_cuda.py) on a machine with torch + CUDA and nothing else. An
-# interpreter that already has torch, pytest and numpy (the prefill image's python3: `docker run --rm --gpus all
-# --entrypoint make disagg-prefill test-gpu`) runs them as it is; otherwise a venv over the system's torch adds pytest
-# and numpy only. Skips the suite's conftest (its fixtures import the gateway and both engines). VLLM_GPU_SYNC_CHECK is
+# The CUDA tests (tests/kv_bridge/vllm/layouts/test_kv_cuda.py, and gpu_arch --build with the GPU hidden:
+# test_gpu_arch_nodevice.py) on a machine with torch + CUDA and nothing else. An interpreter that already has torch,
+# pytest, numpy and pydantic-settings (the prefill image's python3: `docker run --rm --gpus all --entrypoint make
+# disagg-prefill test-gpu`) runs them as it is; otherwise a venv over the system's torch adds those only. Skips the suite's conftest (its fixtures import the gateway and both engines). VLLM_GPU_SYNC_CHECK is
 # vLLM 0.32's GPU<->CPU sync check (vllm/envs.py): where vLLM is installed a test runs the extraction under it.
 # Refuses to "pass" by skipping: it checks for a GPU first.
 GPU_VENV ?= .venv-gpu
 GPU_SYNC_CHECK ?= warn
 test-gpu:
-	if $(PYTHON) -c "import torch, pytest, numpy" 2>/dev/null; then py=$(PYTHON); else \
+	if $(PYTHON) -c "import torch, pytest, numpy, pydantic_settings" 2>/dev/null; then py=$(PYTHON); else \
 	  test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV) || exit 1; \
 	  py=$(GPU_VENV)/bin/python; fi; \
 	$$py -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs torch with CUDA and a GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" \
-	&& { [ "$$py" = "$(PYTHON)" ] || $$py -m pip install -q pytest numpy; } \
+	&& { [ "$$py" = "$(PYTHON)" ] || $$py -m pip install -q pytest numpy pydantic pydantic-settings; } \
 	&& VLLM_GPU_SYNC_CHECK=$(GPU_SYNC_CHECK) PYTHONPATH=$(CURDIR) \
-	  $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/kv_bridge/vllm/layouts/test_kv_cuda.py
+	  DISAGG_CUDA_PYTHON=$$py $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs \
+	  tests/kv_bridge/vllm/layouts/test_kv_cuda.py tests/backends/cli/doctor/test_gpu_arch_nodevice.py
+
+# The prefill image's build-time check (backends/cli/doctor/gpu_arch.py --build) under a torch whose CUDA is compiled
+# in but which sees no GPU, as `docker build` runs it: a venv with PyPI's CUDA torch and the project's base
+# dependencies (about 2.6 GB of wheels, 5.5 GB installed: torch's import needs its nvidia-* libraries, not a GPU or a
+# driver). Not part of `make test`; `make test-gpu` runs the same test with the GPU machine's torch, the GPU hidden.
+CUDA_TORCH_VENV ?= .venv-cuda-torch
+CUDA_TORCH ?= torch
+test-cuda-build: install
+	test -x $(CUDA_TORCH_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_TORCH_VENV)
+	$(CUDA_TORCH_VENV)/bin/python -c "import torch, pydantic_settings" 2>/dev/null \
+	  || $(CUDA_TORCH_VENV)/bin/pip install -q "$(CUDA_TORCH)" .
+	DISAGG_CUDA_PYTHON=$(abspath $(CUDA_TORCH_VENV))/bin/python $(BIN)/python -m pytest -v -p no:cacheprovider -m cuda \
+	  -rs tests/backends/cli/doctor/test_gpu_arch_nodevice.py
 
 clean:
 	rm -rf .disagg

@@ -3,9 +3,10 @@
 # with the `decode` extra, the LaunchDaemon com.disagg.decode running `disagg decode --node NODE` as you (no login
 # session needed: it starts at boot and survives a logout), the LaunchDaemon that sets Metal's wired limit at every
 # boot, and decode.log's rotation (newsyslog).
-# RESERVED_GIB=12 docker/install-mac.sh mac-0: keep more than 8 GiB for macOS (match [[nodes]] reserved_gib).
+# RESERVED_GIB=12 docker/install-mac.sh mac-studio-1: keep more than 8 GiB for macOS (match [[nodes]] reserved_gib).
 # Run it as the user the node runs as (not with sudo; it asks for sudo for /opt/disagg and /Library/LaunchDaemons):
-#   docker/install-mac.sh mac-0        (from the repository root; docs/deploy.md step 4)
+#   docker/install-mac.sh mac-studio-1   (this Mac's [[nodes]] name; from the repository root; docs/deploy.md section 4)
+# Offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR docker/install-mac.sh NODE installs from a wheelhouse (pip reads both).
 set -euo pipefail
 
 NODE="${1:-}"
@@ -23,7 +24,7 @@ RESERVED_GIB="${RESERVED_GIB:-8}"
 
 die() { echo "install-mac: $*" >&2; exit 1; }
 
-[ -n "$NODE" ] || die "usage: $0 NODE_NAME   (the decode node's [[nodes]] name, e.g. mac-0)"
+[ -n "$NODE" ] || die "usage: $0 NODE_NAME   (the decode node's [[nodes]] name, e.g. mac-studio-1)"
 [ "$(id -u)" -ne 0 ] || die "run as the user the node runs as, not root: it owns /opt/disagg and its secret"
 [ "$(uname -s)" = Darwin ] || die "this is for macOS; Linux machines run the Docker images"
 [ "$(uname -m)" = arm64 ] || die "MLX needs Apple Silicon (arm64); this Mac is $(uname -m)"
@@ -90,8 +91,8 @@ cat <<EOF
 
 Installed into $PREFIX (venv, logs) and $SERVICE (runs as $(id -un), no login needed).
 Before the service can start (it is not started yet):
-  - $PREFIX/config.toml (examples/site.toml, edited) and $PREFIX/node-secret (chmod 600, owned by $(id -un));
-  - the models: $PREFIX/.venv/bin/disagg models prepare --config $PREFIX/config.toml --model ID --role decode ...
+  - $PREFIX/config.toml (examples/site-seeds.toml) and $PREFIX/node-secret (chmod 600, owned by $(id -un));
+  - this Mac's model only: $PREFIX/.venv/bin/disagg models prepare --config $PREFIX/config.toml --model ID --role decode ...
   - check: $PREFIX/.venv/bin/disagg config check $PREFIX/config.toml
   - check this Mac: $PREFIX/.venv/bin/disagg doctor --config $PREFIX/config.toml --node $NODE
 Keep the Mac awake and booting after a power loss (no one needs to stay logged in):

@@ -4,8 +4,9 @@
 # wheel is built for it, and torch carries sm_121-compatible kernels, and fails naming the fix when one disagrees.
 # Build on the Spark (or with buildx --platform linux/arm64):  docker build -f docker/prefill.Dockerfile -t disagg-prefill .
 # NVIDIA's nvcr.io/nvidia/vllm images ship older vLLM releases (25.10: 0.10.2), which the connector refuses.
-# Without that image: a CUDA base with Python 3.12 and `--build-arg WITH_VLLM=1` installs the `prefill` extra
-# (PyPI's vllm 0.32.0 manylinux_2_28_aarch64 wheel and its CUDA torch). See docs/deploy.md and docs/kv_bridge.md.
+# Without that image: a base with Python and CUDA, e.g. --build-arg BASE=nvcr.io/nvidia/pytorch:25.11-py3, and
+# `--build-arg WITH_VLLM=1` installs the `prefill` extra (PyPI's vllm-0.32.0-cp38-abi3-manylinux_2_28_aarch64.whl and
+# the torch 2.13.0 it pins). CUDA images carry no Python. See docs/deploy.md section 3 and docs/kv_bridge.md.
 ARG BASE=vllm/vllm-openai:v0.32.0
 FROM ${BASE}
 ARG WITH_VLLM=0
@@ -22,6 +23,7 @@ COPY gateway ./gateway
 # base's torch and numpy. `docker run --rm --gpus all --entrypoint make disagg-prefill test-gpu`.
 COPY Makefile ./
 COPY tests/kv_bridge/vllm/layouts/test_kv_cuda.py ./tests/kv_bridge/vllm/layouts/
+COPY tests/backends/cli/doctor/test_gpu_arch_nodevice.py ./tests/backends/cli/doctor/
 # The base's vLLM stays (base dependencies only unless WITH_VLLM=1). The connector's own version check runs here,
 # so an image with a vLLM outside the tested range fails to build rather than restart-loop at engine start.
 # DL3013: this installs the project itself; its dependencies are pinned in pyproject.toml. DL3008: make from the
@@ -43,7 +45,7 @@ ENTRYPOINT ["disagg", "prefill"]
 # 10GbE addresses), --ipc=host (PyTorch's shared memory), /opt/disagg read-only (config, secret, model folders), and a
 # named volume for vLLM's and torch's compile caches so a restart does not recompile:
 #   docker run -d --name disagg-prefill --restart unless-stopped --gpus all --network host --ipc=host \
-#     -v /opt/disagg:/opt/disagg:ro -v disagg-cache:/root/.cache disagg-prefill --node spark-0
+#     -v /opt/disagg:/opt/disagg:ro -v disagg-cache:/root/.cache disagg-prefill --node spark-1
 # `disagg` for models prepare / status on the Spark runs through the image too: --entrypoint disagg.
 LABEL org.opencontainers.image.title="disagg-prefill"
 CMD ["--help"]

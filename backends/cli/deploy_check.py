@@ -132,8 +132,13 @@ def firewall(s: Settings) -> list[str]:
              + "  (clients: keys, or auth.keyless_networks" + (f" {[str(n) for n in s.auth.keyless_networks]}"
                                                               if s.auth.keyless_networks else "") + ")"]
     lines.append(f"  {where}: sudo ufw allow from ADMIN_NET to any port 9090,3000 proto tcp  (Prometheus, Grafana)")
+    # `disagg status` from a Mac probes the prefill nodes too (docs/deploy.md): the decode machines may reach them
+    macs = sorted({n.host for n in s.nodes if n.role == "decode" and n.host not in LOOPBACK and n.host != gw_from})
     for n in s.nodes:
         if n.role == "prefill":
+            lines.append(f"  {n.name}: sudo ufw allow OpenSSH  (first, before `ufw enable`: it keeps your SSH session)")
             lines.append(f"  {n.name}: sudo ufw allow from {gw_from} to any port {n.port} proto tcp  (gateway -> "
                          f"prefill HTTP{', local on this machine' if n.name == gw_at else ''})")
+            lines += [f"  {n.name}: sudo ufw allow from {m} to any port {n.port} proto tcp  (`disagg status` from "
+                      f"that Mac)" for m in macs]
     return lines

@@ -1,5 +1,5 @@
 """`disagg` command line: prepare models, check a config, run one role (prefill, decode, gateway), `up` for all of
-them, `status` of a running site, or `doctor` for one machine before it serves.
+them, `status` of a running site, `smoke` it end to end, or `doctor` for one machine before it serves.
 
 Role modules are imported inside their command, so `disagg gateway` works on a box without torch or mlx.
 """
@@ -91,6 +91,21 @@ def _parser() -> argparse.ArgumentParser:
                     "auth.api_keys / api_keys_file where this machine can read it)")
     st.set_defaults(func=_cmd_status)
 
+    sm = sub.add_parser("smoke", parents=[common], help="from any machine: one long prompt per model through the "
+                        "running gateway; the path it took, TTFT, KV bytes, the pair's KV fidelity, decode tokens/s; "
+                        "exit 1 naming the cause and remedy when a model did not take the disaggregated path")
+    sm.add_argument("--model", action="append", metavar="M", help="this model id or alias (repeat for more; "
+                    "default: every [[models]] route)")
+    sm.add_argument("--json", action="store_true", help="machine-readable output")
+    sm.add_argument("--url", help="the gateway's URL (default: the config's [gateway], as `disagg status` reaches it)")
+    sm.add_argument("--key", "--api-key", dest="key", help="a client key for the gateway (default: $DISAGG_API_KEY, "
+                    "else the config's auth.api_keys / api_keys_file where this machine can read it)")
+    sm.add_argument("--tokens", type=int, help="prompt tokens (default: twice the model's min_disagg_tokens, "
+                    "at least 512)")
+    sm.add_argument("--max-tokens", type=int, default=32, help="tokens to decode (for the decode rate)")
+    sm.add_argument("--timeout", type=float, default=600.0, help="seconds for each model's request")
+    sm.set_defaults(func=_cmd_smoke)
+
     doc = sub.add_parser("doctor", parents=[common], help="check this machine before it serves one role: one "
                          "line per check with the fix; exit 1 on any failure")
     doc.add_argument("--node", required=True, help="the [[nodes]] name this machine runs, or `gateway` for the "
@@ -169,6 +184,13 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     return status.main(settings, as_json=args.json, probe_bytes=int(args.probe_mib * 2**20), timeout=args.timeout,
                        fidelity=not args.no_fidelity, api_key=args.api_key, recheck=args.recheck,
                        operator=args.operator_key)
+
+
+def _cmd_smoke(settings: Settings, args: argparse.Namespace) -> int:
+    from backends.cli import smoke
+
+    return smoke.main(settings, str(args.config), args.model, as_json=args.json, url=args.url, key=args.key,
+                      tokens=args.tokens, max_tokens=args.max_tokens, timeout=args.timeout)
 
 
 def _cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:

@@ -267,3 +267,31 @@ def test_log_file_handler_reopens_after_rotation(tmp_path):
                        env={**os.environ, "DISAGG_LOG_FILE": str(log)})
     assert r.returncode == 0, r.stderr
     assert "after" in log.read_text() and (tmp_path / "decode.log.0").exists()
+
+
+def test_seeds_file_comments_agree_with_the_file(tmp_path):
+    """examples/site-seeds.toml's comments: the machine table (address, role, model, node) is its [[nodes]] and
+    [[models]] routes; each Mac's memory figure and vLLM's share are what config check computes from it."""
+    from kv_bridge.config.settings import load_config
+    from tests.support.cli import run as disagg
+
+    path = ROOT / "examples" / "site-seeds.toml"
+    text, site = path.read_text(), load_config(path)
+    rows = re.findall(r"^#\s+(?:Mac Studio|DGX Spark) \d\s+(\S+)\s+(decode|prefill) (\S+)\s+(\S+)", text, re.M)
+    assert len(rows) == len(site.nodes) == 4, rows
+    for host, role, model, name in rows:
+        node = site.node(name)
+        route = next(r for r in site.models if r.id == model)
+        assert (node.host, node.role) == (host, role) and getattr(route, role) == [name], (name, model)
+    out = json.loads(disagg("config", "check", str(path), "--json", cwd=tmp_path).stdout)
+    said = " ".join(line.split("#", 1)[1].strip() for line in text.splitlines() if "#" in line)  # comments, joined
+    for b in out["budgets"]:
+        total = sum(b["memory_gib"].values())
+        if b["node"].startswith("mac"):
+            assert re.search(rf"{b['node']}\b[^.;]*? in {total:.1f} of the 88 GiB|{b['node']} \S+ in {total:.1f}\b",
+                             said), (b["node"], total)
+        else:
+            assert f"{total:g} of 102 GiB" in said, (b["node"], total)  # config check's share of memory_gib 128
+    share = site.prefill.gpu_memory_utilization
+    assert f"{share:g} asks {round(share * 121.7)} GiB" in said  # what vLLM asks of the 121.7 GiB a GB10 reports
+    assert "87.4" not in said and "both models on each Mac" not in said

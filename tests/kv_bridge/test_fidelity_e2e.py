@@ -76,3 +76,18 @@ def test_swapped_kv_is_caught_and_its_requests_are_answered_locally_and_right(sw
     req = urllib.request.Request(swapped.url("gateway") + "/fidelity", data=b"", method="POST")
     with urllib.request.urlopen(req, timeout=300) as r:
         assert json.loads(r.read())["pairs"][0]["state"] == "failed"
+
+
+def test_smoke_names_the_failed_pair_and_its_remedies(swapped):
+    """`disagg smoke` on this site: exit 1, the pair's verdict with its layer, and what to do (backends/cli/smoke.py)."""
+    (row,) = swapped.wait_fidelity()
+    out = subprocess.run([sys.executable, "-m", "backends.cli.main", "smoke", "--config", str(swapped.config),
+                          "--tokens", "200", "--max-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith("!! smollm2:135m  local"), out.stdout
+    cause = next(ln for ln in lines if ln.startswith("   cause: "))
+    assert f"KV fidelity of smollm2:135m prefill-0 -> decode-0 FAILED: worst {row['tensor']} layer " \
+        f"{row['layer']}" in cause
+    remedy = lines[lines.index(cause) + 1]
+    assert remedy.startswith("   remedy: `disagg status --config") and "[[fidelity.override]]" in remedy

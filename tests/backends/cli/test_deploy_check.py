@@ -109,6 +109,9 @@ def test_firewall_lines_come_from_the_config(tmp_path):
     fw = json.loads(r.stdout)["firewall"]
     assert fw[0].startswith("  gateway (on spark-1): sudo ufw allow 8000/tcp; sudo ufw allow 11434/tcp")
     assert any("spark-2: sudo ufw allow from 169.254.150.103 to any port 8100 proto tcp" in line for line in fw)
+    spark2 = [line for line in fw if line.startswith("  spark-2:")]
+    assert "ufw allow OpenSSH" in spark2[0]  # SSH first: an admin who pastes the lines in order keeps the session
+    assert any("from 169.254.150.101 to any port 8100" in line for line in spark2)  # a Mac's `disagg status`
 
 
 def test_the_gateway_sharing_a_nodes_port_on_its_machine_fails(tmp_path):
