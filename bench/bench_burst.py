@@ -178,7 +178,11 @@ def main() -> None:
                     help="[gateway.admission] max_inflight_tokens (config.toml's value for vllm-cpu: 4096)")
     ap.add_argument("--plot", type=Path, default=Path("bench_burst.png"))
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here (docs/img's form)")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.bursts, args.prompt_tokens, args.max_tokens = [2], 200, 4
+        args.plot = Path(tempfile.mkdtemp(prefix="bench-smoke-")) / "bench_burst.png"
 
     from transformers import AutoTokenizer
 

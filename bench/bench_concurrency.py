@@ -135,7 +135,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
                     help="a subset of split,mlx-alone,vllm-alone (the ratios need mlx-alone)")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.levels, args.prompt_tokens, args.max_tokens = [1], 64, 4
 
     from transformers import AutoTokenizer
 
