@@ -8,7 +8,7 @@ EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
 AGENT_CLIS := node_modules/.installed
 
-.PHONY: install models serve site site-models test test-quick test-gpu tools clean
+.PHONY: install models serve site site-models test test-quick test-gpu tools bench-docs clean
 
 install: $(STAMP)
 
@@ -83,6 +83,43 @@ test-gpu:
 	&& { [ "$$py" = "$(PYTHON)" ] || $$py -m pip install -q pytest numpy; } \
 	&& VLLM_GPU_SYNC_CHECK=$(GPU_SYNC_CHECK) PYTHONPATH=$(CURDIR) \
 	  $$py -m pytest -v --noconftest -p no:cacheprovider -m cuda -rs tests/kv_bridge/vllm/layouts/test_kv_cuda.py
+
+# The full benches whose figures docs/ quotes (docs/testing.md "Benches"), one after another, each as docs/ names it;
+# each one's output in $(BENCH_OUT)/NAME.txt, headed by the date, commit and CPU, its JSON and PNG beside it (copy
+# what you keep into docs/img). Hours in all; bench_link needs root. BENCHES="bench_link bench_transfer" runs only
+# those; BENCH_LOCK= drops the shared machine's lock. Exit status non-zero when any of them failed.
+BENCH_OUT  ?= .disagg/bench-docs
+BENCH_LOCK ?= flock /tmp/disagg-heavy.lock nice -n 10
+BENCHES    ?=
+define BENCH_DOCS_RUNS
+bench_kv_memory
+bench_transfer --sizes 1024,4096,8192 --reps 5 --no-profile
+bench_kv_auth --sizes 4096,1024
+bench_link --reps 5
+bench_convert
+bench_extract
+bench_window
+bench_stall
+bench_fidelity
+bench_overlap
+bench_mixed_precision --json $(BENCH_OUT)/bench_mixed_precision.json
+bench_long --lengths 1024,4096,8000 --mlx-max 1024 --max-tokens 16 --out $(BENCH_OUT)
+bench_grammar
+bench_burst --bursts 4,8,16,32,64 --json $(BENCH_OUT)/bench_burst.json --plot $(BENCH_OUT)/bench_burst.png
+bench_site --cells 5,20,40 --plot $(BENCH_OUT)/bench_site.png --json $(BENCH_OUT)/bench_site.json
+bench_spec
+endef
+export BENCH_DOCS_RUNS
+
+bench-docs: install models site-models
+	mkdir -p $(BENCH_OUT) && rm -f $(BENCH_OUT)/*.txt && echo "$$BENCH_DOCS_RUNS" > $(BENCH_OUT)/runs
+	while read -r name args <&3; do \
+	  case " $(BENCHES) " in *" $$name "*) ;; *) [ -z "$(BENCHES)" ] || continue ;; esac; \
+	  { echo "# $$(date -u '+%F %H:%M UTC') $$(git rev-parse --short HEAD) $$(grep -o -m1 avx512_bf16 /proc/cpuinfo || echo no-avx512_bf16) nproc $$(nproc): python -m bench.$$name $$args"; \
+	    PYTHONPATH=$(CURDIR) $(BENCH_LOCK) $(BIN)/python -m bench.$$name $$args </dev/null \
+	      || echo "bench-docs: bench.$$name FAILED (exit status $$?)"; } 2>&1 | tee $(BENCH_OUT)/$$name.txt; \
+	done 3< $(BENCH_OUT)/runs
+	! grep -h "^bench-docs: .* FAILED" $(BENCH_OUT)/*.txt
 
 clean:
 	rm -rf .disagg
