@@ -47,7 +47,7 @@ PRINTS = {
 }
 # Benches that measure a running deployment from its config (`--config`, bench/site_target.py): the session stack
 # stands in for it, which saves a stack start each (their own-stack path, site_target.embedded, is a few lines).
-ON_STACK = {"bench_long", "bench_queue_burst", "bench_split", "bench_threshold"}
+ON_STACK = {"bench_burst", "bench_concurrency", "bench_long", "bench_queue_burst", "bench_split", "bench_threshold"}
 NEEDS_ROOT = {"bench_link"}  # a network namespace and a shaped veth pair
 
 
