@@ -51,8 +51,15 @@ ON_STACK = {"bench_burst", "bench_concurrency", "bench_long", "bench_queue_burst
 NEEDS_ROOT = {"bench_link"}  # a network namespace and a shaped veth pair
 
 
+# Benches whose smoke run starts a stack of its own (a vLLM engine, MLX nodes and their canaries: 1-2 min each here):
+# `make test-bench` runs them, outside `make test`'s 20 minutes (docs/testing.md).
+OWN_STACK = {"bench_mixed_precision", "bench_overlap", "bench_prefix", "bench_site"}
+
+
 def _param(name: str):
     marks = [] if name in QUICK else [pytest.mark.e2e]
+    if name in OWN_STACK:
+        marks.append(pytest.mark.benchstack)
     return pytest.param(name, marks=marks, id=name)
 
 
