@@ -8,7 +8,7 @@ EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
 AGENT_CLIS := node_modules/.installed
 
-.PHONY: install models draft-head serve site site-models test test-quick test-gpu test-cuda-build tools clean
+.PHONY: install models draft-head serve site site-models test test-quick test-gpu test-cuda-build test-bench tools bench-docs clean
 
 install: $(STAMP)
 
@@ -64,7 +64,12 @@ $(AGENT_CLIS): package.json package-lock.json
 # complements, so every test runs once.
 test: install models site-models tools
 	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
-	$(BIN)/python -m pytest -q -m "e2e or soak or cuda" --durations=25
+	$(BIN)/python -m pytest -q -m "(e2e or soak or cuda) and not benchstack" --durations=25
+
+# The smoke runs of the benches that start a stack of their own (tests/bench/test_smoke.py OWN_STACK): ~7 min here,
+# outside make test's 20 minutes; run them after changing those benches or what they start.
+test-bench: install models site-models
+	$(BIN)/python -m pytest -q -m benchstack --durations=10
 
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
 # Two pytest-xdist workers: on this 2-core box the tier is part CPU, part waiting on sockets and timeouts.
@@ -102,6 +107,43 @@ test-cuda-build: install
 	  || $(CUDA_TORCH_VENV)/bin/pip install -q "$(CUDA_TORCH)" .
 	DISAGG_CUDA_PYTHON=$(abspath $(CUDA_TORCH_VENV))/bin/python $(BIN)/python -m pytest -v -p no:cacheprovider -m cuda \
 	  -rs tests/backends/cli/doctor/test_gpu_arch_nodevice.py
+
+# The full benches whose figures docs/ quotes (docs/testing.md "Benches"), one after another, each as docs/ names it;
+# each one's output in $(BENCH_OUT)/NAME.txt, headed by the date, commit and CPU, its JSON and PNG beside it (copy
+# what you keep into docs/img). Hours in all; bench_link needs root. BENCHES="bench_link bench_transfer" runs only
+# those; BENCH_LOCK= drops the shared machine's lock. Exit status non-zero when any of them failed.
+BENCH_OUT  ?= .disagg/bench-docs
+BENCH_LOCK ?= flock /tmp/disagg-heavy.lock nice -n 10
+BENCHES    ?=
+define BENCH_DOCS_RUNS
+bench_kv_memory
+bench_transfer --sizes 1024,4096,8192 --reps 5 --no-profile
+bench_kv_auth --sizes 4096,1024
+bench_link --reps 5
+bench_convert
+bench_extract
+bench_window
+bench_stall
+bench_fidelity
+bench_overlap
+bench_mixed_precision --json $(BENCH_OUT)/bench_mixed_precision.json
+bench_long --lengths 1024,4096,8000 --mlx-max 1024 --max-tokens 16 --out $(BENCH_OUT)
+bench_grammar
+bench_burst --bursts 4,8,16,32,64 --json $(BENCH_OUT)/bench_burst.json --plot $(BENCH_OUT)/bench_burst.png
+bench_site --cells 5,20,40 --plot $(BENCH_OUT)/bench_site.png --json $(BENCH_OUT)/bench_site.json
+bench_spec
+endef
+export BENCH_DOCS_RUNS
+
+bench-docs: install models site-models
+	mkdir -p $(BENCH_OUT) && rm -f $(BENCH_OUT)/*.txt && echo "$$BENCH_DOCS_RUNS" > $(BENCH_OUT)/runs
+	while read -r name args <&3; do \
+	  case " $(BENCHES) " in *" $$name "*) ;; *) [ -z "$(BENCHES)" ] || continue ;; esac; \
+	  { echo "# $$(date -u '+%F %H:%M UTC') $$(git rev-parse --short HEAD) $$(grep -o -m1 avx512_bf16 /proc/cpuinfo || echo no-avx512_bf16) nproc $$(nproc): python -m bench.$$name $$args"; \
+	    PYTHONPATH=$(CURDIR) $(BENCH_LOCK) $(BIN)/python -m bench.$$name $$args </dev/null \
+	      || echo "bench-docs: bench.$$name FAILED (exit status $$?)"; } 2>&1 | tee $(BENCH_OUT)/$$name.txt; \
+	done 3< $(BENCH_OUT)/runs
+	! grep -h "^bench-docs: .* FAILED" $(BENCH_OUT)/*.txt
 
 clean:
 	rm -rf .disagg

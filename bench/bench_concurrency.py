@@ -3,9 +3,10 @@ local prefill) and vLLM alone (prefill node's /v1/generate), each at 1, 4, 16 (a
 
 Run from the repository root:  .venv/bin/python -m bench.bench_concurrency [--levels 1,4,16,64] [--prompt-tokens 256]
     [--max-tokens 32]
-Starts its own stack on free ports; greedy; every request has its own prompt (a fresh leading number), so no prefix
-is shared. Per level and mode: c requests start together; throughput = completion tokens / wall time of the round,
-TTFT p50 over the round (vLLM alone answers in one piece: no TTFT). Modes alternate per level, so each sees the
+Starts its own stack on free ports (`--config F`: measures the running deployment F describes instead,
+bench/site_target.py); greedy; every request has its own prompt (a fresh leading number), so no prefix is shared.
+Per level and mode: c requests start together; throughput = completion tokens / wall time of the round, TTFT p50
+over the round (vLLM alone answers in one piece: no TTFT). Modes alternate per level, so each sees the
 same machine load; ratios are against MLX alone in the same run.
 """
 
@@ -24,17 +25,18 @@ from pathlib import Path
 import httpx
 
 from bench.bench_split import Prompts
-from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
+from bench.site_target import Target, add_args, embedded, site
 
 TIMEOUT = httpx.Timeout(1800.0, connect=30.0)
 LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
 
-async def split(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
-    body = {"model": MODEL_ID, "messages": prompts.messages(tag), "max_tokens": max_tokens, "temperature": 0,
+async def split(client: httpx.AsyncClient, target: Target, prompts: Prompts, tag: int, max_tokens: int) -> dict:
+    body = {"model": target.model, "messages": prompts.messages(tag), "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0, ttft, usage = time.perf_counter(), None, None
-    async with client.stream("POST", stack.url("gateway") + "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", target.url("gateway") + "/v1/chat/completions", json=body,
+                             headers=target.headers("gateway")) as r:
         if r.status_code != 200:
             raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:300]!r}")
         if r.headers.get("x-disagg-path") != "disaggregated":
@@ -51,11 +53,12 @@ async def split(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: 
     return {"ttft": ttft, "tokens": usage["completion_tokens"]}
 
 
-async def mlx(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
-    body = {"request_id": f"bench-c-{tag}-{time.time_ns()}", "model": MODEL_ID, "token_ids": prompts.ids(tag),
+async def mlx(client: httpx.AsyncClient, target: Target, prompts: Prompts, tag: int, max_tokens: int) -> dict:
+    body = {"request_id": f"bench-c-{tag}-{time.time_ns()}", "model": target.model, "token_ids": prompts.ids(tag),
             "max_tokens": max_tokens, "temperature": 0.0, "kv": None}
     t0, ttft, done = time.perf_counter(), None, None
-    async with client.stream("POST", stack.url("decode-0") + "/v1/generate", json=body) as r:
+    async with client.stream("POST", target.url("decode-0") + "/v1/generate", json=body,
+                             headers=target.headers("decode-0")) as r:
         if r.status_code != 200:
             raise RuntimeError(f"decode node answered {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -69,9 +72,9 @@ async def mlx(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: in
     return {"ttft": ttft, "tokens": done["completion_tokens"]}
 
 
-async def vllm(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: int, max_tokens: int) -> dict:
-    body = {"model": MODEL_ID, "token_ids": prompts.ids(tag), "max_tokens": max_tokens, "temperature": 0.0}
-    r = await client.post(stack.url("prefill-0") + "/v1/generate", json=body)
+async def vllm(client: httpx.AsyncClient, target: Target, prompts: Prompts, tag: int, max_tokens: int) -> dict:
+    body = {"model": target.model, "token_ids": prompts.ids(tag), "max_tokens": max_tokens, "temperature": 0.0}
+    r = await client.post(target.url("prefill-0") + "/v1/generate", json=body, headers=target.headers("prefill-0"))
     if r.status_code != 200:
         raise RuntimeError(f"prefill node answered {r.status_code}: {r.text[:300]}")
     return {"ttft": None, "tokens": len(r.json()["token_ids"])}
@@ -80,10 +83,10 @@ async def vllm(client: httpx.AsyncClient, stack: Stack, prompts: Prompts, tag: i
 MODES = {"split": split, "mlx-alone": mlx, "vllm-alone": vllm}
 
 
-async def round_(client, stack, fn, prompts: Prompts, first_tag: int, c: int, max_tokens: int) -> dict:
+async def round_(client, target, fn, prompts: Prompts, first_tag: int, c: int, max_tokens: int) -> dict:
     """c requests at once: throughput over the round's wall time, TTFT p50."""
     t0 = time.perf_counter()
-    rows = await asyncio.gather(*(fn(client, stack, prompts, first_tag + i, max_tokens) for i in range(c)))
+    rows = await asyncio.gather(*(fn(client, target, prompts, first_tag + i, max_tokens) for i in range(c)))
     wall = time.perf_counter() - t0
     ttfts = [r["ttft"] for r in rows if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in rows)
@@ -111,16 +114,16 @@ def _f(x: float) -> str:
     return "-" if x != x else f"{x:.3f}"
 
 
-async def measure(stack: Stack, prompts: Prompts, warm: Prompts, args) -> dict[int, dict[str, dict]]:
+async def measure(target: Target, prompts: Prompts, warm: Prompts, args) -> dict[int, dict[str, dict]]:
     results, tag = {}, 1000
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=LIMITS) as client:
         modes = {m: MODES[m] for m in args.modes}
         for fn in modes.values():  # first-request costs (compilation, connections) land on no side
-            await fn(client, stack, warm, -1, 4)
+            await fn(client, target, warm, -1, 4)
         for c in args.levels:
             results[c] = {}
             for mode, fn in modes.items():
-                r = await round_(client, stack, fn, prompts, tag, c, args.max_tokens)
+                r = await round_(client, target, fn, prompts, tag, c, args.max_tokens)
                 tag += c  # fresh prompts for every request
                 results[c][mode] = r
                 print(f"c={c:<3} {mode:<11} {r['tokens']:>5} tokens in {r['wall']:7.2f} s: {r['tps']:7.2f} tok/s, "
@@ -135,28 +138,33 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
                     help="a subset of split,mlx-alone,vllm-alone (the ratios need mlx-alone)")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
+    add_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.levels, args.prompt_tokens, args.max_tokens = [1], 64, 4
 
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    prompts = Prompts(tok, args.prompt_tokens)
-    warm = Prompts(tok, 40, question="\n\nSay hello.")
-    prompt_len = len(prompts.ids(1000))
-    print(f"prompt: {prompt_len} tokens; starting stack ...", flush=True)
+    if args.config is not None:  # a running deployment (bench/site_target.py)
+        return run(site(args.config, args.model, args.gateway, args.api_key), args)
     folder = Path(tempfile.mkdtemp(prefix="bench-concurrency-"))
-    # A long kv_timeout so a slow shared machine measures the split, not a fallback.
-    stack = Stack(folder, kv_timeout_s=600.0, min_disagg_tokens=8)
-    try:
-        for name in ("decode-0", "prefill-0", "gateway"):
-            stack.start(name)
-        report(asyncio.run(measure(stack, prompts, warm, args)), prompt_len, args)
+    print("starting stack ...", flush=True)
+    try:  # a long kv_timeout so a slow shared machine measures the split, not a fallback
+        with embedded(folder, kv_timeout_s=600.0, min_disagg_tokens=8) as (target, _):
+            run(target, args)
     except BaseException:
         print(f"bench failed; node logs in {folder}", file=sys.stderr)
         raise
-    finally:
-        stack.stop()
 
+
+def run(target: Target, args) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target.tokenizer_dir))
+    prompts = Prompts(tok, args.prompt_tokens)
+    warm = Prompts(tok, max(40, target.min_disagg_tokens + 16), question="\n\nSay hello.")  # long enough to split
+    prompt_len = len(prompts.ids(1000))
+    print(f"prompt: {prompt_len} tokens; measuring {target.describe()}", flush=True)
+    report(asyncio.run(measure(target, prompts, warm, args)), prompt_len, args)
 
 if __name__ == "__main__":
     main()

@@ -195,7 +195,10 @@ def main() -> None:
     ap.add_argument("--keep-freed-memory", action="store_true",
                     help="what-if: mallopt so glibc reuses freed memory (shows how much is page faults)")
     ap.add_argument("--no-mlx", action="store_true", help="skip the mlx-lm cache build (needs mlx and the model)")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.reps, args.sizes = 1, "1024"
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.keep_freed_memory:
         keep_freed_memory()

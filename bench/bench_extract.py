@@ -101,7 +101,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request in the step")
     p.add_argument("--context", type=int, default=512, help="tokens each request already has")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared box)")
+    p.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = p.parse_args()
+    if args.smoke:
+        args.reps, args.requests, args.tokens, args.context = 1, 2, 16, 64
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.requests} requests x {args.tokens} "
           f"tokens per step, bf16, median of {args.reps}; ratio = before / after")
@@ -111,6 +114,8 @@ def main() -> None:
         print(f"GPU: {torch.cuda.get_device_name()}")
         for name, (layers, heads, dim) in SHAPES.items():
             run_cuda(name, layers, heads, dim, args)
+    else:
+        print("no CUDA GPU here: the CUDA path was not timed (tests/bench/test_smoke.py runs it where there is one)")
 
 
 if __name__ == "__main__":

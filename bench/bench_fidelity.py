@@ -187,7 +187,10 @@ def main() -> None:
     ap.add_argument("--pairings", help="only these, comma-separated (e.g. 4-bit)")
     ap.add_argument("--prefill-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.canaries, args.wires, args.pairings = 1, "float8_e4m3", "4-bit"
     results = run(args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=float))

@@ -183,7 +183,7 @@ async def throughput(t: Target, stream: bool, clients: int, duration: float, war
 
 
 def report(targets: list[Target], args) -> None:
-    base, ours, lite = targets
+    base, ours, *lite = targets
     print(f"\n{'target':<10}{'mode':<8}{'p50 ms':>8}{'p99 ms':>8}{'+p50 ms':>9}{'+p99 ms':>9}"
           f"{'req/s@' + str(args.clients):>11}{'CPU us/req':>12}{'errors':>8}")
     for mode in ("json", "stream"):
@@ -192,6 +192,13 @@ def report(targets: list[Target], args) -> None:
             s = t.stats[mode]
             print(f"{t.name:<10}{mode:<8}{s['p50']:8.2f}{s['p99']:8.2f}{s['p50'] - b['p50']:9.2f}"
                   f"{s['p99'] - b['p99']:9.2f}{s['rps']:11.0f}{s['cpu_us']:12.0f}{s['errors']:8d}")
+    if not lite:  # a smoke run without LiteLLM: what our gateway adds to the direct backend
+        for mode in ("json", "stream"):
+            b, o = base.stats[mode], ours.stats[mode]
+            print(f"  {mode:<6}  added p50 ours {o['p50'] - b['p50']:.2f} ms   "
+                  f"RPS ours/direct = {o['rps'] / b['rps']:.2f}x")
+        return
+    lite = lite[0]
     print("\nratios (same run; direct backend is the latency baseline)")
     met = True
     for mode in ("json", "stream"):
@@ -221,19 +228,22 @@ async def run(args, tmp: Path) -> None:
                        tmp / "fakes.log"),
         "gateway": spawn([py, "-m", "gateway", "--config", str(gateway_config(tmp, gport, dport))],
                          tmp / "gateway.log", env),
-        "litellm": spawn([args.litellm, "--config", str(litellm_config(tmp, oport)), "--host", "127.0.0.1",
-                          "--port", str(lport), "--num_workers", "1"], tmp / "litellm.log", lenv),
     }
+    if args.litellm:
+        procs["litellm"] = spawn([args.litellm, "--config", str(litellm_config(tmp, oport)), "--host", "127.0.0.1",
+                                  "--port", str(lport), "--num_workers", "1"], tmp / "litellm.log", lenv)
     try:
         targets = [Target("direct", f"http://127.0.0.1:{oport}"),
-                   Target("disagg", f"http://127.0.0.1:{gport}", procs["gateway"]),
-                   Target("litellm", f"http://127.0.0.1:{lport}", procs["litellm"])]
+                   Target("disagg", f"http://127.0.0.1:{gport}", procs["gateway"])]
+        if args.litellm:
+            targets.append(Target("litellm", f"http://127.0.0.1:{lport}", procs["litellm"]))
         t_start = time.monotonic()
         async with aiohttp.ClientSession() as s:
             await wait_ready(s, f"http://127.0.0.1:{oport}/health", procs["fakes"], tmp / "fakes.log", 30)
             await wait_ready(s, f"http://127.0.0.1:{gport}/health", procs["gateway"], tmp / "gateway.log", 60)
-            await wait_ready(s, f"http://127.0.0.1:{lport}/health/liveliness", procs["litellm"],
-                             tmp / "litellm.log", 180)
+            if args.litellm:
+                await wait_ready(s, f"http://127.0.0.1:{lport}/health/liveliness", procs["litellm"],
+                                 tmp / "litellm.log", 180)
         print(f"stack up in {time.monotonic() - t_start:.1f} s (fakes :{oport}/:{dport}, gateway :{gport}, "
               f"litellm :{lport}); load avg before: {os.getloadavg()[0]:.2f}", flush=True)
         for mode, stream in (("json", False), ("stream", True)):
@@ -267,11 +277,17 @@ def main() -> None:
     default = shutil.which("litellm", path=str(Path(sys.executable).parent)) or str(ROOT / ".venv-bench/bin/litellm")
     ap.add_argument("--litellm", default=default, help="LiteLLM proxy executable (default: %(default)s)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the temp folder with the processes' logs")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
-    if not Path(args.litellm).exists():
+    if args.smoke:  # LiteLLM lives in a venv of its own (its pins clash with vLLM's): the smoke run leaves it out
+        args.requests, args.warmup, args.clients, args.duration, args.warm_s = 5, 2, 4, 0.5, 0.2
+        print("smoke run: our gateway against the direct backend only, no LiteLLM")
+        args.litellm = None
+    elif not Path(args.litellm).exists():
         sys.exit(f"no LiteLLM at {args.litellm}: python3 -m venv .venv-bench && "
                  ".venv-bench/bin/pip install 'litellm[proxy]'  (or pass --litellm PATH)")
-    dist = sorted(Path(args.litellm).resolve().parent.parent.glob("lib/python*/site-packages/litellm-*.dist-info"))
+    site_packages = Path(args.litellm or ".").resolve().parent.parent
+    dist = sorted(site_packages.glob("lib/python*/site-packages/litellm-*.dist-info"))
     version = dist[-1].name.removesuffix(".dist-info").split("-", 1)[1] if dist else "?"
     print(f"python {platform.python_version()}, aiohttp {aiohttp.__version__}, cpus {os.cpu_count()}, "
           f"litellm {version} ({args.litellm})")

@@ -152,7 +152,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.max_tokens, args.repeats = 8, 1
     engines(args)
     if not args.skip_decode:
         decode(args)

@@ -88,7 +88,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", default="4096", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--threshold", type=float, default=1.3, help="per-frame MAC target, times the open transfer")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.reps, args.sizes = 1, "1024"
     print(f"machine: nproc {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f} (shared: noisy)")
     tag_rates()
     lt = LoopThread()

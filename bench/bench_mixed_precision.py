@@ -175,14 +175,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="continuation tokens compared")
     ap.add_argument("--bits", default="32,8,4", help="MLX weight bits; 32: the float32 folder (the bridge alone)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.prompts, args.length, args.tokens, args.bits = 1, 32, 8, "4"
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     batch = prompts(tok, args.prompts, args.length)
     t0 = time.perf_counter()
-    kvs = {w: vllm_kv(batch, w) for w in WIRES}
-    print(f"vLLM KV for {len(batch)} prompts x {len(WIRES)} wires: {time.perf_counter() - t0:.0f} s", flush=True)
+    kvs = {w: vllm_kv(batch, w) for w in (list(WIRES)[:1] if args.smoke else WIRES)}  # smoke: one prefill start
+    print(f"vLLM KV for {len(batch)} prompts x {len(kvs)} wires: {time.perf_counter() - t0:.0f} s", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for b in (int(x) for x in args.bits.split(",")):

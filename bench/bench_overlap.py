@@ -257,7 +257,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--sizes", default="1024,4096,8100")
     ap.add_argument("--rate-gbps", type=float, default=10.0, help="link rate in Gb/s (10 GbE = 1.25 GB/s)")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.runs, args.sizes = 1, "256"
     sizes = [int(s) for s in args.sizes.split(",")]
     if max(sizes) >= MAX_MODEL_LEN:
         raise SystemExit(f"prompts must be shorter than max_model_len {MAX_MODEL_LEN}")

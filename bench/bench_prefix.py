@@ -116,7 +116,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--turn-tokens", type=int, default=320, help="about this many new user tokens per turn")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.turns, args.turn_tokens, args.max_tokens = 2, 32, 4
 
     folder = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     stack = Stack(folder, kv_timeout_s=300.0, min_disagg_tokens=8, prefix_cache_bytes=CONDITIONS["full"])

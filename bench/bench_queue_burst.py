@@ -72,7 +72,10 @@ def main() -> None:
     p.add_argument("--n", type=int, help="requests at once (default: 3x the model's max_inflight)")
     p.add_argument("--max-queued", type=int, help="also burst through a gateway whose model queues at most this")
     p.add_argument("--num-predict", type=int, default=16)
+    p.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = p.parse_args()
+    if args.smoke:
+        args.n, args.num_predict, args.max_queued = 2, 2, 1
     from kv_bridge.config.settings import load_config
 
     s = load_config(args.config)

@@ -133,7 +133,10 @@ def main() -> None:
     p.add_argument("--plot", default="bench_site.png")
     p.add_argument("--json")
     p.add_argument("--running", action="store_true", help="use a site already up (make site)")
+    p.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = p.parse_args()
+    if args.smoke:
+        args.cells, args.num_predict, args.local_max_cells, args.plot, args.json = "1", 4, 1, "", None
     from kv_bridge.config.settings import load_config
 
     site = None if args.running else Site(Path(tempfile.mkdtemp(prefix="bench-site-")))

@@ -231,7 +231,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="one prompt per kind, no draft model")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     a = ap.parse_args()
+    if a.smoke:
+        a.quick, a.max_tokens = True, 8
     m = MLXModel("smollm2:135m", str(MODEL_DIR))
     m.executor.submit(m.load).result()  # on the model's own thread, as the node loads it
     m.start()
@@ -274,6 +277,7 @@ def main() -> None:
     plain_steps(m, g_ids, g_kv, a.max_tokens)
     predict(steps, a.num_draft)
     m.stop()
+    m.executor.shutdown(wait=True)  # the MLX thread ends before the interpreter: else std::terminate at exit
 
 
 if __name__ == "__main__":

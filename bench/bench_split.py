@@ -183,8 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     add_args(ap)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.runs, args.max_tokens, args.prompt_tokens = 1, 4, 64
     if args.config is not None:
         return measure(site(args.config, args.model, args.gateway, args.api_key), args)
     # A long kv_timeout so a slow shared machine measures the split, not a fallback.

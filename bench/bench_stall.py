@@ -24,6 +24,7 @@ from kv_bridge.config.nodes import KVConfig
 from kv_bridge.receiver import KVReceiver
 from kv_bridge.sender import KVSender
 from tests.support.kv_sender import StalledReceiver
+from tests.support.stack import free_port
 
 L, H, D, CHUNK = 36, 8, 64, 128
 SPEC = {"fingerprint": "bench", "num_layers": L, "num_kv_heads": H, "head_dim": D}
@@ -43,14 +44,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = p.parse_args()
+    if args.smoke:
+        args.reps, args.tokens = 1, 64
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((L, H, args.tokens, D), np.float32) for _ in range(2))
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     rx = KVReceiver(KVConfig())
-    asyncio.run_coroutine_threadsafe(rx.start("127.0.0.1", 0), loop).result()
-    port = rx._server.sockets[0].getsockname()[1]
+    port = free_port()
+    asyncio.run_coroutine_threadsafe(rx.start("127.0.0.1", port), loop).result()
     stalled = StalledReceiver()
     sender = KVSender(max_bytes=4 << 30, send_timeout_s=600.0)
 

@@ -87,8 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--sizes", default="8,16,32,64,128")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     add_args(ap)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.runs, args.sizes = 1, "8,16"
     sizes = [int(s) for s in args.sizes.split(",")]
     folder = Path(tempfile.mkdtemp(prefix="bench-threshold-"))
     print(f"logs in {folder}", flush=True)

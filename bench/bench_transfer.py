@@ -367,7 +367,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", default="1024,4096,8192")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = ap.parse_args()
+    if args.smoke:
+        args.reps, args.sizes = 1, "1024"
     sizes = [int(s) for s in args.sizes.split(",")]
     print("transfers (ms per run):", flush=True)
     rows, lt = run(sizes, args.reps)

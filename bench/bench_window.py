@@ -65,7 +65,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
     args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.chunk = 512, 128
     before = crossed(args.tokens, args.chunk, (0, ()))
     after = crossed(args.tokens, args.chunk, (WINDOW, (0,)))
     print(f"gpt-oss-120b shape, {args.tokens} tokens in chunks of {args.chunk}, bf16 wire, window {WINDOW}")
