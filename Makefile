@@ -132,6 +132,13 @@ bench_grammar
 bench_burst --bursts 4,8,16,32,64 --json $(BENCH_OUT)/bench_burst.json --plot $(BENCH_OUT)/bench_burst.png
 bench_site --cells 5,20,40 --plot $(BENCH_OUT)/bench_site.png --json $(BENCH_OUT)/bench_site.json
 bench_spec
+bench_spec_control --max-tokens 128
+bench_step_cost --reps 15
+bench_class_drafts
+bench_class_spec --methods prompt_lookup,suffix --submissions 20
+bench_learned --max-tokens 48
+bench_traffic_check
+bench_fidelity_recover --max-s 360
 endef
 export BENCH_DOCS_RUNS
 

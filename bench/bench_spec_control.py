@@ -2,9 +2,9 @@
 decoding on bench_spec's grading-like prompts and on a prompt whose first matches are spurious (greedy, outputs
 compared), each step's trace; and two generations of one model at once, batched plainly or speculating per row.
 
-Run from the repository root:  .venv/bin/python -m bench.bench_spec_control [--before REV] [--max-tokens 96]
+Run from the repository root:  .venv/bin/python -m bench.bench_spec_control [--before REV] [--max-tokens 96] [--smoke]
 
-"Before" is the speculative path as it was at REV (default: the merge base with main): its engine, controller,
+"Before" is the speculative path as it was at REV (default: cab9611, main before issue 48's controller): its engine, controller,
 drafters and step modules, read from git into a temporary package and loaded beside today's, on the same weights.
 Both run adaptive prompt lookup at the same configured verify_cost (the site files' 0.3 for Qwen3-Coder, 0.55 for
 gpt-oss): before, that figure is the truth; after, it is the prior until the node has timed its own steps.
@@ -29,6 +29,7 @@ from backends.decode.speculative.verify_cost import VerifyCost
 from kv_bridge.config.speculative import SpeculativeConfig
 from kv_bridge.protocol import Sampling
 
+BEFORE = "cab9611"  # main before issue 48's source-generic controller was merged
 OLD = {"engine": "backends/decode/engine.py", "control": "backends/decode/speculative/control.py",
        "drafters": "backends/decode/speculative/drafters.py", "step": "backends/decode/speculative/step.py"}
 # The answer starts in prose (its 2-3-token matches in the prompt are chance), then quotes the code (long matches).
@@ -126,11 +127,15 @@ def together(m: MLXModel, prompts, kvs, max_tokens: int, mode: str, meter, made=
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--before", default=None, help="the git revision of 'before' (default: merge-base HEAD main)")
+    ap.add_argument("--before", default=BEFORE, help=f"the git revision of 'before' (default {BEFORE}: main before "
+                    "issue 48's controller)")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--smoke", action="store_true", help="8 tokens, one configured cost: the bench runs, no figure")
     a = ap.parse_args()
-    rev = a.before or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True,
-                                     text=True, check=True).stdout.strip()
+    if a.smoke:
+        a.max_tokens = 8
+    rev = subprocess.run(["git", "rev-parse", a.before], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         old_mod = load_before(rev, Path(tmp))
         new, old = MLXModel("smollm2:135m", str(MODEL_DIR)), old_mod.MLXModel("smollm2:135m", str(MODEL_DIR))
@@ -144,7 +149,7 @@ def main() -> None:
         prompts = [(label, ids, prompt_kv(new, ids)) for label, ids in prompts]
         print(f"before = {rev[:10]}; prompts {[len(ids) for _, ids, _ in prompts]} tokens; max_tokens {a.max_tokens};"
               f" greedy; SmolLM2-135M float32 on mlx-cpu (drafted per step: '.' none, '|' handed to the batch)")
-        for cost in (0.3, 0.55):
+        for cost in (0.3,) if a.smoke else (0.3, 0.55):
             before_after((new, old), prompts, cost, a.max_tokens)
         two = [ids for _, ids, _ in prompts[:2]], [kv for _, _, kv in prompts[:2]]
         meter = VerifyCost(0.06)

@@ -17,12 +17,18 @@ from tests.support import ROOT
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("bench_*.py"))
 # Benches that start vLLM engines, MLX nodes, stacks or the site: the e2e tier (under the heavy lock). Any bench not
 # named in QUICK lands here too, so a new one runs somewhere until someone says it is cheap.
-QUICK = {"bench_convert", "bench_extract", "bench_fidelity", "bench_gateway", "bench_grammar", "bench_kv_auth",
-         "bench_kv_memory", "bench_link", "bench_spec", "bench_stall", "bench_transfer", "bench_window"}
+QUICK = {"bench_class_drafts", "bench_convert", "bench_extract", "bench_fidelity", "bench_gateway", "bench_grammar",
+         "bench_kv_auth", "bench_kv_memory", "bench_learned", "bench_link", "bench_spec", "bench_spec_control",
+         "bench_stall", "bench_step_cost", "bench_traffic_check", "bench_transfer", "bench_window"}
 # What each prints once it has measured (its table or ratio): an early exit with status 0 cannot pass. A bench not
 # named here must print a ratio ("1.23x").
 PRINTS = {
     "bench_burst": r"target = split / \(vllm prefill",
+    "bench_class_drafts": r"suffix_class +all +\d+",
+    "bench_class_spec": r"\d\.\d+ ?x",
+    "bench_fidelity_recover": r"carries KV",
+    "bench_step_cost": r"verify_cost k=1/2/3 at 6k",
+    "bench_traffic_check": r"check / prefill \d",
     "bench_concurrency": r"scaling:",
     "bench_convert": r"build_prompt_cache \(mlx\)",
     "bench_extract": r"ratio +\d",
@@ -53,7 +59,8 @@ NEEDS_ROOT = {"bench_link"}  # a network namespace and a shaped veth pair
 
 # Benches whose smoke run starts a stack of its own (a vLLM engine, MLX nodes and their canaries: 1-2 min each here):
 # `make test-bench` runs them, outside `make test`'s 20 minutes (docs/testing.md).
-OWN_STACK = {"bench_mixed_precision", "bench_overlap", "bench_prefix", "bench_site"}
+OWN_STACK = {"bench_class_spec", "bench_fidelity_recover", "bench_mixed_precision", "bench_overlap", "bench_prefix",
+             "bench_site"}
 
 
 def _param(name: str):
