@@ -287,7 +287,8 @@ def _prepare_learned(route, args: argparse.Namespace) -> int:
     """An EAGLE-3 head or a DFlash drafter at speculative.draft_path (--mlx, else the one published for the model),
     checked against the decode side's config.json (hidden size, vocabulary, layers, RoPE)."""
     from backends.cli import checkpoints
-    from backends.decode.speculative.learned import SITE_HEADS, check_folder
+    from backends.decode.speculative.learned import SITE_HEADS
+    from backends.decode.speculative.learned_load import check_folder
 
     method = next(n for n in route.speculative.sources if n in ("eagle3", "dflash"))
     source = args.mlx or next((SITE_HEADS[method][n] for n in (*route.aliases, route.id) if n in SITE_HEADS[method]),

@@ -100,6 +100,8 @@ class MLXModel:
         import mlx.core as mx
         from mlx_lm import load
 
+        from backends.decode.speculative.sources import load_models
+
         self.model, self.tokenizer = load(self.path)
         _harmony_stops(self.tokenizer)
         self.dtype = _kv_dtype(self.model)
@@ -112,30 +114,13 @@ class MLXModel:
         self.vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None) or len(self.tokenizer.vocab)
         mx.eval(self.model.parameters())
         self.grammars = _grammar_compiler(self.tokenizer, self.vocab_size)
-        self._load_speculation()
+        load_models(self)  # the draft model or learned drafter a configured source needs, the cap on k
         if self.kv_bits is not None:  # refuse at start-up what quantization cannot do for this model
             from mlx_lm.models.cache import make_prompt_cache
 
             from kv_bridge.mlx.cache import quantize
 
             quantize(make_prompt_cache(self.model), self.kv_bits, self.kv_group_size)
-
-    def _load_speculation(self) -> None:
-        """The draft model where a configured source needs one, and the fused-attention cap on k (sources.py)."""
-        from backends.decode.speculative.sources import LEARNED, model_cap, names_for
-
-        cfg = self.speculation.cfg
-        self.draft_cap = model_cap(self.model)
-        names = names_for(cfg)
-        learned = [n for n in names if n in LEARNED]
-        if "draft" in names and cfg.draft_path:
-            from backends.decode.speculative.drafters import load_draft
-
-            self.draft_model = load_draft(cfg.draft_path, self.tokenizer, self.vocab_size)
-        elif learned:  # the model, wrapped to hand out the hidden states the drafter reads (hidden.py)
-            from backends.decode.speculative.learned import load_learned
-
-            self.model, self.draft_model = load_learned(learned[0], cfg.draft_path, self.model)
 
     def grammar_for(self, gen: Sampling, ids: list[int]):
         """The request's GrammarProcessor (None without a grammar); a resumed generation's last

@@ -98,7 +98,7 @@ def _suffix(m, seq: list[int], cfg, cache):
 
 def _learned(method: str):
     def factory(m, seq: list[int], cfg, cache):
-        from backends.decode.speculative.learned import make_source
+        from backends.decode.speculative.learned_load import make_source
 
         if m.draft_model is None:  # loaded at start only where the config names this drafter (engine.py)
             return None
@@ -116,6 +116,23 @@ SOURCES: dict[str, Callable] = {
     "eagle3": _learned("eagle3"),
     "dflash": _learned("dflash"),
 }
+
+
+def load_models(m) -> None:
+    """At a model's load (its MLX thread): the fused-attention cap on k, and the draft model or learned drafter a
+    configured source needs (a learned one wraps the target to hand out the hidden states it reads: hidden.py)."""
+    cfg = m.speculation.cfg
+    m.draft_cap = model_cap(m.model)
+    names = names_for(cfg)
+    learned = [n for n in names if n in LEARNED]
+    if "draft" in names and cfg.draft_path:
+        from backends.decode.speculative.drafters import load_draft
+
+        m.draft_model = load_draft(cfg.draft_path, m.tokenizer, m.vocab_size)
+    elif learned:
+        from backends.decode.speculative.learned_load import load_learned
+
+        m.model, m.draft_model = load_learned(learned[0], cfg.draft_path, m.model)
 
 
 def check_names(names: tuple[str, ...]) -> None:

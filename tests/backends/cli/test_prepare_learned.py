@@ -31,7 +31,7 @@ draft_path = "{tmp_path / 'head'}"
 
 
 def _target(folder: Path) -> dict:
-    from backends.decode.speculative.learned import target_from_config
+    from backends.decode.speculative.learned_load import target_from_config
 
     return target_from_config(json.loads((folder / "config.json").read_text()))
 
@@ -57,7 +57,7 @@ def test_a_drafter_for_another_model_is_refused_naming_the_field(tmp_path):
     import pytest
 
     from backends.decode.speculative.dflash import untrained_dflash
-    from backends.decode.speculative.learned import check_folder
+    from backends.decode.speculative.learned_load import check_folder
 
     served = tiny_models.build("llama", tmp_path / "served")
     src = untrained_dflash(_target(tiny_models.build("gpt_oss", tmp_path / "other")), str(tmp_path / "src"))
