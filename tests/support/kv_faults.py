@@ -11,6 +11,17 @@ import numpy as np
 from kv_bridge import dtypes
 
 
+def mlx_prefill_kv(model, ids: list[int]) -> list[dict]:
+    """An mlx-lm model's own KV of `ids` in the catalogue's form [{"k", "v"}: (H, T, D) float32], one prefill."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array(ids)[None], cache=cache)
+    return [{"k": np.array(c.state[0][0, :, :len(ids)].astype(mx.float32)),
+             "v": np.array(c.state[1][0, :, :len(ids)].astype(mx.float32))} for c in cache]
+
+
 def _each(layers: list[dict], fn) -> list[dict]:
     return [{t: fn(t, li, x) for t, x in row.items()} for li, row in enumerate(layers)]
 

@@ -10,19 +10,9 @@ import pytest
 from kv_bridge import dtypes
 from kv_bridge.mlx.fidelity_metric import judge, wire_encode
 from tests.support import tiny_models
-from tests.support.kv_faults import FAULTS
+from tests.support.kv_faults import FAULTS, mlx_prefill_kv
 
 WIRES = ("float32", "bfloat16", "float8_e4m3")
-
-
-def _kv(model, ids):
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.array(ids)[None], cache=cache)
-    return [{"k": np.array(c.state[0][0, :, :len(ids)].astype(mx.float32)),
-             "v": np.array(c.state[1][0, :, :len(ids)].astype(mx.float32))} for c in cache]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +29,8 @@ def pair(tmp_path_factory):
     q4, _ = load(str(convert(src, work / "q4", 4)))
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 3000, 96)] for _ in range(2)]
-    sent = [_kv(full, ids) for ids in prompts]
-    return sent, {"full": _kv(full, prompts[0]), "4": _kv(q4, prompts[0])}, rope_shift(full)
+    sent = [mlx_prefill_kv(full, ids) for ids in prompts]
+    return sent, {"full": mlx_prefill_kv(full, prompts[0]), "4": mlx_prefill_kv(q4, prompts[0])}, rope_shift(full)
 
 
 def _wire(layers, wire):

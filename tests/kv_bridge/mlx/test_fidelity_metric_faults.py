@@ -10,17 +10,7 @@ import pytest
 
 from kv_bridge.mlx.fidelity_metric import gain_band, judge, position_runs, wire_encode
 from tests.support import tiny_models
-from tests.support.kv_faults import block_swapped, head_scaled, scaled_down
-
-
-def _kv(model, ids):
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.array(ids)[None], cache=cache)
-    return [{"k": np.array(c.state[0][0, :, :len(ids)].astype(mx.float32)),
-             "v": np.array(c.state[1][0, :, :len(ids)].astype(mx.float32))} for c in cache]
+from tests.support.kv_faults import block_swapped, head_scaled, mlx_prefill_kv, scaled_down
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +27,7 @@ def pair(tmp_path_factory):
     q4, _ = load(str(convert(src, work / "q4", 4)))
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 3000, 128)] for _ in range(6)]
-    return [_kv(full, p) for p in prompts], [_kv(q4, p) for p in prompts], rope_shift(full)
+    return [mlx_prefill_kv(full, p) for p in prompts], [mlx_prefill_kv(q4, p) for p in prompts], rope_shift(full)
 
 
 def _fp8(layers):
