@@ -88,7 +88,6 @@ class SpecController:
         self._since_probe = cfg.probe_every
         self.trace: list[tuple] | None = None  # when a list: per step (source or "", drafted, kept): bench/
         self.draft_seconds: dict[str, float] = {}  # per source: seconds per drafted token, a running mean
-        self._made = [0.0, 0.0]  # tokens and their cost in plain steps, discounted: the speedup speculation gets
 
     @property
     def enabled(self) -> bool:
@@ -210,32 +209,21 @@ class SpecController:
             arm[0], arm[1] = keep * arm[0] + a, keep * arm[1] + r
         return a, r
 
-    @property
-    def realized(self) -> float:
-        """Tokens per plain step's time that the speculative path has been getting lately (1.0 before any step)."""
-        tokens, cost = self._made
-        return tokens / cost if cost else 1.0
-
-    def _made_step(self, tokens: int, cost: float) -> None:
-        keep = 1.0 - self.cfg.ewma_alpha
-        self._made = [keep * self._made[0] + tokens, keep * self._made[1] + cost]
-
     def share(self, n: int) -> bool:
-        """Whether n generations of this model should each speculate on their own (one after another, each at the
-        speedup the path realizes) rather than share a plain batch step (n tokens per batch step). Only on measured
-        costs: a batch step of n (timed while the batch ran alone) against a 1-row step; unmeasured, the batch (which
-        then measures itself)."""
+        """Whether n generations of this model should each speculate on their own (one after another) rather than
+        share a plain batch step, on wall times only: the speculative path's measured tokens per second (its recent
+        decode steps: drafting, verify, trim, all of it) against n tokens per measured batch step of n (timed while
+        the batch ran alone). Either unmeasured: the batch (which then times itself). Never a modelled speedup: at a
+        prior verify_cost it can promise what the hardware does not give."""
         if n <= 1:
             return True
         enough = self.cfg.cost_samples
-        batch, one = self.meter.batch_seconds(n), self.meter.batch_seconds(1)
-        one_s = one[0] if one and one[1] >= enough else self.meter.plain_seconds(0)  # else the path's own 1-row step
-        if not (batch and batch[1] >= enough and one_s):
+        batch, path = self.meter.batch_seconds(n), self.meter.path_rate()
+        if not (batch and batch[1] >= enough and path and path[1] >= enough):
             return False
-        return self.realized > n * one_s / batch[0] * (1.0 + self.cfg.min_gain)
+        return path[0] > n / batch[0] * (1.0 + self.cfg.min_gain)
 
-    def verified(self, name: str, drafted: int, accepted: int, rejected: int, depth: int = 0) -> None:
-        self._made_step(accepted + 1, self.meter.ratio(drafted, depth))
+    def verified(self, name: str, drafted: int, accepted: int, rejected: int) -> None:
         s = self.stats
         s.verify_steps += 1
         s.drafted += drafted
@@ -247,7 +235,6 @@ class SpecController:
             self.trace.append((name, drafted, accepted))
 
     def plain(self) -> None:
-        self._made_step(1, 1.0)
         self.stats.plain_steps += 1
         self._since_probe += 1
         self.k = 0

@@ -82,21 +82,32 @@ class SpecRun:
                 return True
             if any(s.prefill_step() for s in self.sources):  # a draft model's own prefill, a chunk a step
                 return True
-            if self.pending is not None:
-                return self._advance_plain()
-            props = self._draft(self._limit(), costly=True)
-            choice = self.ctl.choose([p for _, p in props], len(self.seq), self._limit())
-            if choice is None:  # a plain step, pipelined: its token is read at the next step
-                self.pending = self._launch(mx.array(self.seq[-1:]), mx.array(self.seq[-CONTEXT:]))
-                self._shadow = props
-                self.ctl.plain()
-                return True
-            return self._verify(props, *choice)
+            t0, n0 = time.perf_counter(), self.n
+            going = self._decode()
+            # its wall time and tokens: the path's measured rate (SpecController.share weighs it against the batch)
+            self.ctl.meter.add_path(self.n - n0, time.perf_counter() - t0)
+            return going
         except Exception as e:  # the request's failure, reported as its error line; the loop goes on
             log.exception("speculative generation failed")
             self.job.emit(("error", f"{type(e).__name__}: {e}"))
             self._leave()
             return False
+
+    def _decode(self) -> bool:
+        """One decode step: the pending plain token read (and the next launched), or a draft and then a plain
+        launch or a verify."""
+        import mlx.core as mx
+
+        if self.pending is not None:
+            return self._advance_plain()
+        props = self._draft(self._limit(), costly=True)
+        choice = self.ctl.choose([p for _, p in props], len(self.seq), self._limit())
+        if choice is None:  # a plain step, pipelined: its token is read at the next step
+            self.pending = self._launch(mx.array(self.seq[-1:]), mx.array(self.seq[-CONTEXT:]))
+            self._shadow = props
+            self.ctl.plain()
+            return True
+        return self._verify(props, *choice)
 
     def _limit(self) -> int:
         """The most tokens a verify step may draft now: num_draft, the fused-attention cap, the tokens left."""
@@ -235,7 +246,7 @@ class SpecRun:
             self.fed -= extra
         self.ctl.meter.add(k + 1, before, time.perf_counter() - t0)
         self._tick = None
-        self.ctl.verified(prop.name, k, *self._score(props, self.seq[before:], src, k), depth=before)
+        self.ctl.verified(prop.name, k, *self._score(props, self.seq[before:], src, k))
         if finished:
             self._leave(finished=True)
             return False

@@ -38,6 +38,7 @@ class VerifyCost:
         self._fits: dict[int, float | None] = {}  # depth bucket asked -> c, until the next sample (MLX thread)
         self._lock = threading.Lock()  # /metrics copies while the MLX thread appends
         self._batch: dict[int, deque] = {}  # batch size -> a batch step's seconds (the plain batch, nothing else)
+        self._path: deque = deque(maxlen=4 * WINDOW)  # the speculative path's decode steps: (tokens, seconds)
 
     def add(self, rows: int, depth: int, seconds: float) -> None:
         if seconds <= 0 or rows < 1:
@@ -51,6 +52,19 @@ class VerifyCost:
     def add_batch(self, size: int, seconds: float) -> None:
         with self._lock:
             self._batch.setdefault(size, deque(maxlen=WINDOW)).append(seconds)
+
+    def add_path(self, tokens: int, seconds: float) -> None:
+        """One decode step of the speculative path, whatever it ran (plain, verify) and the tokens it emitted."""
+        if seconds > 0:
+            with self._lock:
+                self._path.append((tokens, seconds))
+
+    def path_rate(self) -> tuple[float, int] | None:
+        """(tokens per second, steps) over the speculative path's recent decode steps, None without any."""
+        with self._lock:
+            got = list(self._path)
+        seconds = sum(s for _, s in got)
+        return (sum(t for t, _ in got) / seconds, len(got)) if seconds else None
 
     def batch_seconds(self, size: int) -> tuple[float, int] | None:
         """(median seconds, samples) of a batch step of `size` generations, None without samples."""
