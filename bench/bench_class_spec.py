@@ -4,13 +4,19 @@ with plain decoding's.
 
 Run from the repository root (the heavy lock: it starts engines):
   flock /tmp/disagg-heavy.lock nice -n 10 .venv/bin/python -m bench.bench_class_spec [--methods prompt_lookup]
-  [--submissions 20] [--answer-tokens 128] [--concurrency 2] [--num-draft 3] [--smoke]
+  [--submissions 20] [--answer-tokens 128] [--concurrency 2] [--num-draft 3] [--lanes-per-model] [--smoke]
 
 The class is backends/grading/spec_class.py's (one rubric, notebooks of 2-6k SmolLM2 tokens; per submission an
 analysis with Ollama `format: "json"` and prose feedback), sent as /api/generate, greedy, `concurrency` lanes each
 sending its calls in order. One prefill node serves every pass; each pass has its own decode node and gateway, its
 model's [models.speculative] `method` the pass's (`off` first: the baseline). A method is any the config accepts
-(`prompt_lookup` today; `suffix` and the controller's choice of both once the node has them).
+(`prompt_lookup`, `suffix`, `prompt_lookup+suffix` for the list of both, `auto`).
+
+--lanes-per-model: the site's shape, one model per lane (analysis on one, feedback on the other), each generation
+alone in its own model's batch. The embedded weights are served under two model ids (MODEL_ID for the analysis lane,
+SECOND_ID for the feedback lane): the decode node runs an MLXModel (thread, batch, controller, suffix store) per id,
+the prefill node a vLLM engine per id. Per pass it reports tokens per target forward, alpha and the mean k from the
+node's /metrics, and the speedup the same steps would give at the fitted Metal verify costs (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -28,27 +34,38 @@ from backends.grading import spec_class
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 SECRET = "bench-class-spec-secret"
+SECOND_ID = "smollm2-feedback:135m"  # --lanes-per-model: the same weights under a second id, the feedback lane's
+METAL_COSTS = {"qwen3-coder": 0.09, "gpt-oss": 0.18}  # fitted per drafted token at k <= 3 (bench.bench_step_cost)
 
 
 def _spec_toml(method: str, num_draft: int) -> str:
     if method == "off":
         return ""
-    return f'\n[models.speculative]\nmethod = "{method}"\nnum_draft = {num_draft}\nadaptive = true\n'
+    names = method.split("+")
+    value = f'"{method}"' if len(names) == 1 else "[" + ", ".join(f'"{n}"' for n in names) + "]"
+    return f'\n[models.speculative]\nmethod = {value}\nnum_draft = {num_draft}\nadaptive = true\n'
 
 
-def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "") -> Stack:
+def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "",
+           second: bool = False) -> Stack:
+    """A stack on free ports; `extra` follows each [[models]] entry (its [models.speculative]); `second`: the model
+    again under SECOND_ID, same folder and nodes."""
     folder.mkdir(parents=True, exist_ok=True)
     s = Stack(folder, node_secret=SECRET, fidelity=False, min_disagg_tokens=8, kv_timeout_s=600.0,
               prefill_port=prefill_port)
-    s.config.write_text(s.config.read_text().replace("max_model_len = 4096", f"max_model_len = {max_len}") + extra)
+    text = s.config.read_text().replace("max_model_len = 4096", f"max_model_len = {max_len}") + extra
+    if second:
+        model = text[text.index("[[models]]"):]
+        text += "\n" + model.replace(f'id = "{MODEL_ID}"', f'id = "{SECOND_ID}"', 1)
+    s.config.write_text(text)
     from kv_bridge.config.settings import load_config
 
     s.settings = load_config(s.config)
     return s
 
 
-def _generate(url: str, c: spec_class.ClassCall, num_predict: int) -> dict:
-    body = {"model": MODEL_ID, "prompt": c.prompt, "stream": False,
+def _generate(url: str, c: spec_class.ClassCall, num_predict: int, model: str = MODEL_ID) -> dict:
+    body = {"model": model, "prompt": c.prompt, "stream": False,
             "options": {"temperature": 0, "num_predict": num_predict}}  # not raw: the answer carries `context`
     if c.json_format:
         body["format"] = "json"
@@ -60,16 +77,17 @@ def _generate(url: str, c: spec_class.ClassCall, num_predict: int) -> dict:
     return out
 
 
-def run_class(url: str, calls: list[spec_class.ClassCall], lanes: int, num_predict: int) -> tuple[list[dict], float]:
+def run_class(url: str, calls: list[spec_class.ClassCall], lanes: int, num_predict: int,
+              models: dict[str, str] | None = None) -> tuple[list[dict], float]:
     """Each lane sends its calls in order (call i goes to lane i % lanes); the answers in call order, and the
-    makespan."""
+    makespan. `models`: role -> model id (default: MODEL_ID for every call)."""
     out: list[dict | None] = [None] * len(calls)
     errors: list[BaseException] = []
 
     def lane(i: int) -> None:
         try:
             for j in range(i, len(calls), lanes):
-                out[j] = _generate(url, calls[j], num_predict)
+                out[j] = _generate(url, calls[j], num_predict, (models or {}).get(calls[j].role, MODEL_ID))
         except BaseException as e:  # noqa: BLE001  (reported after the join)
             errors.append(e)
 
@@ -92,21 +110,47 @@ def decode_rate(rows: list[dict], role: str | None = None, calls=None) -> float:
     return tokens / seconds if seconds else 0.0
 
 
-def spec_metrics(s: Stack) -> dict[str, float]:
-    from tests.support.fakes import sample_value
+def spec_metrics(s: Stack, models: tuple[str, ...] = (MODEL_ID,)) -> dict:
+    """The decode node's speculative counters, summed over `models`, and the measured verify costs (k, depth, cost)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
     req = urllib.request.Request(s.url("decode-0") + "/metrics", headers=s.node_headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
-    return {name: sample_value(text, f"disagg_decode_spec_{name}_total", model=MODEL_ID, **labels) or 0.0
-            for name, labels in (("drafted_tokens", {}), ("accepted_tokens", {}))} | {
-        "verify_steps": sample_value(text, "disagg_decode_spec_steps_total", model=MODEL_ID, kind="verify") or 0.0}
+    want = {"disagg_decode_spec_drafted_tokens_total": "drafted", "disagg_decode_spec_accepted_tokens_total":
+            "accepted", "disagg_decode_spec_rejections_total": "rejections"}
+    out: dict = {"drafted": 0.0, "accepted": 0.0, "rejections": 0.0, "verify": 0.0, "plain": 0.0, "costs": []}
+    for family in text_string_to_metric_families(text):
+        for x in family.samples:
+            if x.labels.get("model") not in models:
+                continue
+            if x.name in want:
+                out[want[x.name]] += x.value
+            elif x.name == "disagg_decode_spec_steps_total" and x.labels["kind"] in ("verify", "plain"):
+                out[x.labels["kind"]] += x.value
+            elif x.name == "disagg_decode_spec_verify_cost":
+                out["costs"].append((x.labels["model"], int(x.labels["k"]), x.labels["depth"], x.value))
+    return out
+
+
+def forward_figures(m: dict, cost: float | None = None) -> tuple[float, float, float]:
+    """(tokens per target forward, alpha, mean k) of the speculative path; with `cost`, instead the speedup the
+    same steps would give where a drafted token costs `cost` of a plain step: tokens / (forwards + cost x drafted)."""
+    forwards = m["verify"] + m["plain"]
+    tokens = forwards + m["accepted"]
+    if cost is not None:
+        return tokens / (forwards + cost * m["drafted"]) if forwards else 1.0
+    alpha = m["accepted"] / (m["accepted"] + m["rejections"]) if m["accepted"] + m["rejections"] else 0.0
+    return (tokens / forwards if forwards else 1.0), alpha, (m["drafted"] / m["verify"] if m["verify"] else 0.0)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--methods", default="prompt_lookup", help="comma-separated [models.speculative] methods to "
-                    "compare with off (e.g. prompt_lookup,suffix)")
+                    "compare with off (e.g. prompt_lookup,suffix,prompt_lookup+suffix,auto; a+b: the list of both)")
+    ap.add_argument("--lanes-per-model", action="store_true", help="the site's shape: analysis on one model id, "
+                    f"feedback on another ({MODEL_ID} and {SECOND_ID}, the same weights), each lane alone in its "
+                    "model's batch")
     ap.add_argument("--submissions", type=int, default=20)
     ap.add_argument("--answer-tokens", type=int, default=128, help="num_predict of every call")
     ap.add_argument("--concurrency", type=int, default=2, help="lanes sending at once (the app: 2)")
@@ -128,17 +172,20 @@ def main(argv=None) -> int:
     methods = ["off"] + [m for m in args.methods.split(",") if m.strip()]
     print(f"class: {args.submissions} submissions, prompts {min(c.prompt_tokens for c in calls)}-"
           f"{max(c.prompt_tokens for c in calls)} tokens, num_predict {args.answer_tokens}, concurrency "
-          f"{args.concurrency}, methods {methods}", flush=True)
+          f"{args.concurrency}, methods {methods}" + (f", lanes per model ({MODEL_ID} analysis, {SECOND_ID} "
+          "feedback)" if args.lanes_per_model else ""), flush=True)
+    lanes = args.lanes_per_model
+    roles = {"analysis": MODEL_ID, "feedback": SECOND_ID} if lanes else None
     passes = {}
     with tempfile.TemporaryDirectory() as d:
-        base = _stack(Path(d) / "prefill", max_len)
+        base = _stack(Path(d) / "prefill", max_len, second=lanes)
         with base.running(["prefill-0"]):
             port = base.settings.node("prefill-0").port
             for method in methods:
-                s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft))
+                s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft), second=lanes)
                 with s.running(["decode-0", "gateway"]):
-                    rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens)
-                    metrics = spec_metrics(s)
+                    rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens, roles)
+                    metrics = spec_metrics(s, (MODEL_ID, SECOND_ID) if lanes else (MODEL_ID,))
                 passes[method] = (rows, makespan, metrics)
                 print(f"  {method}: {makespan:.0f} s, decode {decode_rate(rows):.1f} tokens/s, paths "
                       f"{sorted({r['path'] for r in rows})}", flush=True)
@@ -153,17 +200,25 @@ def main(argv=None) -> int:
 
 
 def report(passes: dict, calls: list) -> None:
+    """Per pass: decode tokens/s against off (all, per role), outputs equal to off's, and from the node's counters
+    tokens per target forward, alpha, mean k and the speedup the same steps would give at the Metal costs."""
     plain = passes["off"][0]
-    print(f"\n{'method':>14} {'decode tok/s':>12} {'vs off':>7} {'analysis':>9} {'feedback':>9} {'makespan':>9} "
-          f"{'equal':>6} {'kept/verify':>11}")
+    metal = "  ".join(f"{'at ' + name:>14}" for name in METAL_COSTS)
+    print(f"\n{'method':>20} {'decode tok/s':>12} {'vs off':>7} {'analysis':>9} {'feedback':>9} {'makespan':>9} "
+          f"{'equal':>6} {'tok/fwd':>7} {'alpha':>6} {'mean k':>6}  {metal}")
     for method, (rows, makespan, m) in passes.items():
         equal = sum(a["response"] == b["response"] for a, b in zip(rows, plain))
         ratio = decode_rate(rows) / max(decode_rate(plain), 1e-9)
         by_role = [decode_rate(rows, r, calls) / max(decode_rate(plain, r, calls), 1e-9) for r in ("analysis",
                                                                                                   "feedback")]
-        per = m["accepted_tokens"] / m["verify_steps"] if m["verify_steps"] else 0.0
-        print(f"{method:>14} {decode_rate(rows):>12.1f} {ratio:>6.2f}x {by_role[0]:>8.2f}x {by_role[1]:>8.2f}x "
-              f"{makespan:>8.0f}s {equal:>3}/{len(rows):<2} {per:>11.2f}")
+        per, alpha, k = forward_figures(m)
+        at = "  ".join(f"{forward_figures(m, c):>13.2f}x" for c in METAL_COSTS.values())
+        print(f"{method:>20} {decode_rate(rows):>12.1f} {ratio:>6.2f}x {by_role[0]:>8.2f}x {by_role[1]:>8.2f}x "
+              f"{makespan:>8.0f}s {equal:>3}/{len(rows):<2} {per:>7.2f} {alpha:>6.2f} {k:>6.2f}  {at}")
+    for method, (_, _, m) in passes.items():
+        if m["costs"]:
+            print(f"  {method}: measured verify cost per drafted token (model, k, depth, cost): "
+                  + ", ".join(f"({mid}, {k}, {d}, {c:.2f})" for mid, k, d, c in sorted(m["costs"])))
 
 
 if __name__ == "__main__":
