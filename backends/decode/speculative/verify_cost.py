@@ -27,7 +27,8 @@ class VerifyCost:
 
     `ratio(k, depth)`: a verify step over k drafted tokens (k + 1 rows) in plain steps, 1 + c * k with c fitted to
     the medians of each k' + 1-row size over the 1-row median at that depth (or the nearest depth holding both),
-    once each has `min_samples`; until then the prior 1 + k * prior_cost. c >= 0: more rows cannot honestly cost
+    once the 1-row steps and the verify steps (of any sizes) each number `min_samples`; until then the prior
+    1 + k * prior_cost. c >= 0: more rows cannot honestly cost
     less, a ratio under 1 is noise. A plain step's sample is a pipelined step's (one token's interval while the next forward
     is already built), a verify step's its whole wall time (forward, accept, trim): what each costs the generation."""
 
@@ -85,7 +86,8 @@ class VerifyCost:
     def measured(self, k: int, depth: int) -> float | None:
         """The measured ratio of a verify step over k drafted tokens to a plain step, or None: 1 + c * k, c the
         per-drafted-token cost fitted over every k measured at the nearest depth that has `min_samples` 1-row steps
-        and `min_samples` of some k + 1 (weighted by samples: one noisy k does not make k + 1 look cheaper)."""
+        and `min_samples` verify steps of any sizes (weighted by samples: one noisy k does not make k + 1 look
+        cheaper)."""
         if not self._samples:
             return None
         want = depth_bucket(depth)
@@ -99,9 +101,10 @@ class VerifyCost:
             one = self.seconds(1, d)
             if not one or one[1] < self.min_samples:
                 continue
-            fit = [(rows - 1, got) for rows in range(2, MAX_ROWS + 1)
-                   if (got := self.seconds(rows, d)) and got[1] >= self.min_samples]
-            if fit:
+            # every verify size timed here counts, weighted by its samples: with k varying per step (1-3 on the site,
+            # up to 9 on a GQA-3 model) no one size may reach min_samples for long, and the prior would rule meanwhile
+            fit = [(rows - 1, got) for rows in range(2, MAX_ROWS + 1) if (got := self.seconds(rows, d))]
+            if sum(n for _, (_, n) in fit) >= self.min_samples:
                 return sum(n * max(0.0, t / one[0] - 1.0) for _, (t, n) in fit) / sum(n * j for j, (_, n) in fit)
         return None
 

@@ -24,6 +24,18 @@ def test_prior_until_both_sizes_have_enough_samples():
     assert v.costs() == [(3, "8k-16k", pytest.approx(0.1))]
 
 
+def test_verify_steps_of_varying_k_measure_together():
+    """k changes step to step: three sizes of three samples each (none at min_samples alone) fit one cost."""
+    v = VerifyCost(prior_cost=0.1, min_samples=8)
+    fill(v, 1, 4_000, 0.10, 8)
+    for rows in (2, 3, 4):
+        fill(v, rows, 4_000, 0.10 * rows, 2)
+    assert v.ratio(2, 4_000) == pytest.approx(1.2)  # six verify steps: the prior
+    for rows in (2, 3, 4):
+        v.add(rows, 4_000, 0.10 * rows)
+    assert v.ratio(2, 4_000) == pytest.approx(3.0)  # nine: each drafted token measured at a whole plain step
+
+
 def test_median_shrugs_off_a_stalled_step_and_the_fit_stays_monotonic():
     v = VerifyCost(prior_cost=0.5, min_samples=4)
     fill(v, 1, 100, 0.10, 9)
