@@ -135,7 +135,7 @@ bench_spec
 bench_spec_control --max-tokens 128
 bench_step_cost --reps 15
 bench_class_drafts
-bench_class_spec --methods prompt_lookup,suffix --submissions 20
+bench_class_spec --lanes-per-model --submissions 10 --num-draft 9 --methods prompt_lookup,suffix,prompt_lookup+suffix,auto
 bench_learned --max-tokens 48
 bench_traffic_check
 bench_fidelity_recover --max-s 360

@@ -119,7 +119,8 @@ def spec_metrics(s: Stack, models: tuple[str, ...] = (MODEL_ID,)) -> dict:
         text = r.read().decode()
     want = {"disagg_decode_spec_drafted_tokens_total": "drafted", "disagg_decode_spec_accepted_tokens_total":
             "accepted", "disagg_decode_spec_rejections_total": "rejections"}
-    out: dict = {"drafted": 0.0, "accepted": 0.0, "rejections": 0.0, "verify": 0.0, "plain": 0.0, "costs": []}
+    out: dict = {"drafted": 0.0, "accepted": 0.0, "rejections": 0.0, "verify": 0.0, "plain": 0.0, "costs": [],
+                 "paths": {}}
     for family in text_string_to_metric_families(text):
         for x in family.samples:
             if x.labels.get("model") not in models:
@@ -128,6 +129,8 @@ def spec_metrics(s: Stack, models: tuple[str, ...] = (MODEL_ID,)) -> dict:
                 out[want[x.name]] += x.value
             elif x.name == "disagg_decode_spec_steps_total" and x.labels["kind"] in ("verify", "plain"):
                 out[x.labels["kind"]] += x.value
+            elif x.name == "disagg_decode_spec_generations_total":  # how each model's generations decoded
+                out["paths"][f"{x.labels['model']} {x.labels['path']}"] = int(x.value)
             elif x.name == "disagg_decode_spec_verify_cost":
                 out["costs"].append((x.labels["model"], int(x.labels["k"]), x.labels["depth"], x.value))
     return out
@@ -216,6 +219,8 @@ def report(passes: dict, calls: list) -> None:
         print(f"{method:>20} {decode_rate(rows):>12.1f} {ratio:>6.2f}x {by_role[0]:>8.2f}x {by_role[1]:>8.2f}x "
               f"{makespan:>8.0f}s {equal:>3}/{len(rows):<2} {per:>7.2f} {alpha:>6.2f} {k:>6.2f}  {at}")
     for method, (_, _, m) in passes.items():
+        if m["paths"]:
+            print(f"  {method}: generations by path {m['paths']}")
         if m["costs"]:
             print(f"  {method}: measured verify cost per drafted token (model, k, depth, cost): "
                   + ", ".join(f"({mid}, {k}, {d}, {c:.2f})" for mid, k, d, c in sorted(m["costs"])))

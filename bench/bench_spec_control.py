@@ -6,8 +6,9 @@ Run from the repository root:  .venv/bin/python -m bench.bench_spec_control [--b
 
 "Before" is the speculative path as it was at REV (default: cab9611, main before issue 48's controller): its engine, controller,
 drafters and step modules, read from git into a temporary package and loaded beside today's, on the same weights.
-Both run adaptive prompt lookup at the same configured verify_cost (the site files' 0.3 for Qwen3-Coder, 0.55 for
-gpt-oss): before, that figure is the truth; after, it is the prior until the node has timed its own steps.
+Both run adaptive prompt lookup at the same configured verify_cost (the site files' figures before they became
+priors: 0.3 for Qwen3-Coder, 0.55 for gpt-oss): before, that figure is the truth; after, it is the prior until the
+node has timed its own steps.
 """
 
 from __future__ import annotations
