@@ -96,8 +96,7 @@ def test_the_reference_is_one_forward_and_quantized_weights_get_no_greedy_steps(
     assert steps == 2  # the held prefix's own forward, then the reference's
 
 
-@pytest.mark.parametrize("wire", ["float32", "float8_e4m3"])
-def test_the_heads_kv_is_judged_as_one_more_layer_without_failing_the_pair(node_model, tmp_path, wire):
+def test_the_heads_kv_is_judged_as_one_more_layer_without_failing_the_pair(node_model, tmp_path):
     """An EAGLE-3 head's KV with the canary (the prefill node ran the head): right, it passes on the fp8 wire too;
     scaled, it is named as the head's layer, and the pair stays verified (drafts are verified: answers are safe)."""
     from backends.decode.canary import run, verdict
@@ -110,7 +109,7 @@ def test_the_heads_kv_is_judged_as_one_more_layer_without_failing_the_pair(node_
     target = target_args(node_model.model)
     tap, head = load_learned("eagle3", untrained_eagle3(target, str(tmp_path / "h")), node_model.model)
     m = SimpleNamespace(**{**vars(node_model), "model": tap, "draft_model": head, "model_id": "m"})
-    ids = [int(t) for t in np.random.default_rng(7).integers(3, 3000, 80)]
+    ids, wire = [int(t) for t in np.random.default_rng(7).integers(3, 3000, 80)], "float8_e4m3"
     k, v = head_prompt_kv(head, tap, ids)
     for scale, clean in ((1.0, True), (1.5, False)):
         kv = _received(node_model.model, ids[:-1], 0, wire)
