@@ -32,7 +32,8 @@ def check_head(folder: Path, model_folder: Path) -> dict:
         cfg = json.loads((folder / "config.json").read_text())
         target = json.loads((model_folder / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: cannot read the head's or the model's config.json: {e}") from None
+        raise ValueError(f"{where}: cannot read the head's or the model's config.json ({e}): fetch the head with "
+                         "`disagg models prepare --model ID --role draft`, or unset prefill_draft_path") from None
     target = target.get("text_config", target)
     arch = (cfg.get("architectures") or ["?"])[0]
     if "eagle3" not in arch.lower():
