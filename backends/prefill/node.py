@@ -177,9 +177,9 @@ class PrefillService:
         nxt = body.get("next_token")  # the prompt's last token: the head's last position reads it, not a guess
         if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0):
             raise bad_request(f"next_token must be a non-negative integer, got {nxt!r}")
+        head = nxt is not None and self.routes[body["model"]].prefill_draft_path  # else vLLM's own greedy token
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kvp},
-                                allowed_token_ids=[nxt] if nxt is not None and self.routes[body["model"]]
-                                .prefill_draft_path else None)
+                                allowed_token_ids=[nxt] if head else None)
         t0 = time.perf_counter()
         out = await self._run(engine, ids, params, f"prefill-{rid}")
         return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0,

@@ -87,8 +87,9 @@ class WorkerSide:
         self.configure(extractor, spec, found, rank_heads(spec["num_kv_heads"], tp_size, tp_rank),
                        _uniform_window(windows), layouts, _draft_layers(cfg))
         log.info("disagg connector: %s; attention %s (%s); cache block %d, cache %s -> wire %s, %d layers, heads %s "
-                 "of %d, window %s, KV auth %s", runtime(), describe(layouts, self._layer_index), order, block,
-                 cache_dtype, wire_dtype, len(kv_caches), self._heads, self._spec["num_kv_heads"], self._window,
+                 "of %d, window %s, drafter layers %d, KV auth %s", runtime(), describe(layouts, self._layer_index),
+                 order, block, cache_dtype, wire_dtype, len(kv_caches), self._heads, self._spec["num_kv_heads"],
+                 self._window, self._draft_layers,
                  "off" if self._kv_key is None else "per frame" if self._frame_mac else "header only")
 
     def configure(self, extractor: Extractor, spec: dict, layers: dict[str, tuple[int, object]],
