@@ -163,11 +163,14 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
     cost = family(GaugeMetricFamily, "disagg_decode_spec_verify_cost", "Measured verify cost per drafted token, "
                   "(t(k+1 rows) / t(1 row) - 1) / k, where both have enough samples (else the config's prior rules)",
                   ("model", "k", "depth"))
+    draft_kv = family(CounterMetricFamily, "disagg_decode_spec_draft_kv_tokens", "Prompt tokens whose learned "
+                      "drafter KV arrived from the prefill node (its head's own prefill there) and was installed")
     for mid, m in models.items():
         ctl = m.speculation
         if not ctl.enabled:
             continue
         s = ctl.stats
+        draft_kv.add_metric([mid], s.draft_kv_tokens)
         drafted.add_metric([mid], s.drafted)
         accepted.add_metric([mid], s.accepted)
         rejections.add_metric([mid], s.rejected)
@@ -188,5 +191,5 @@ def _spec_metrics(models: Mapping[str, _ModelState]):
             n.add_metric([mid, str(rows), depth], samples)
         for kk, depth, c in ctl.meter.costs():
             cost.add_metric([mid, str(kk), depth], c)
-    yield from (drafted, accepted, rejections, steps, runs, k, rate, arm, by_src, secs, n, cost)
+    yield from (drafted, accepted, rejections, steps, runs, k, rate, arm, by_src, secs, n, cost, draft_kv)
 

@@ -1,7 +1,8 @@
 """Learned drafters against prompt lookup on prose: tokens per target forward and decode tokens/s for off / prompt
 lookup / the EAGLE-3 head trained here (`make draft-head`) / a DFlash drafter (untrained: mechanism only), greedy, on
 smollm2:135m, one run, each method on the same prompts through the decode node's MLX loop (local prompts: the node
-prefills them and the head builds its prompt state from that prefill's hidden states).
+prefills them and the head builds its prompt state from that prefill's hidden states); and the head on the split's
+path: the prompt's KV bridged, without and with the head's own prompt KV from the prefill side.
 
 Run from the repository root:  .venv/bin/python -m bench.bench_learned [--max-tokens 64] [--smoke]
 Ratios are against `off` measured in the same run; mlx-cpu here, not a Mac (docs/speculative.md).
@@ -29,8 +30,41 @@ PROSE = ["Explain in a few sentences why the sky is blue.",
          "Summarise the benefits of regular exercise in one paragraph."]
 
 
-def run(m: MLXModel, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """(tokens, decode seconds from the first token to the last)."""
+class _KV:
+    """A prompt's KV as the receiver hands it (keys, values (L, H, T, D), release())."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def release(self):
+        pass
+
+
+def bridged_job(m: MLXModel, ids: list[int], head_kv: bool) -> dict:
+    """The disaggregated path's Job fields: ids[:-1]'s KV as a prefill node's arrives (MLX's own here) and, with
+    `head_kv`, the head's own KV of them as a prefill node running the head sends it (eagle3_source.head_prompt_kv,
+    which test_eagle3_split_e2e finds equal to vLLM's within 1e-3); computed on the node's MLX thread."""
+    def work():
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from backends.decode.speculative.eagle3_source import head_prompt_kv
+        from kv_bridge.mlx.cache import cache_kv
+
+        yield
+        cache = make_prompt_cache(m.model)
+        m.model(mx.array([ids[:-1]]), cache=cache)
+        kv = cache_kv(cache, len(ids) - 1)
+        head = head_prompt_kv(m.draft_model, m.model, ids) if head_kv else None
+        return kv, head
+    kv, head = m.submit_task(work).future.result(1800)
+    return {"tokens": ids[-1:], "history": ids[:-1], "make_cache": lambda: m.prompt_cache(None, _KV(*kv)),
+            "draft_kv": None if head is None else (0, head[0][None], head[1][None])}
+
+
+def run(m: MLXModel, ids: list[int], max_tokens: int, bridged: bool | None = None) -> tuple[list[int], float]:
+    """(tokens, decode seconds from the first token to the last). `bridged`: from the prompt's KV as it arrives on
+    the disaggregated path, with (True) or without (False) the head's prompt KV; None: a local prompt."""
     out, stamps, done = [], [], threading.Event()
 
     def emit(ev):
@@ -39,27 +73,30 @@ def run(m: MLXModel, ids: list[int], max_tokens: int) -> tuple[list[int], float]
         elif ev[0] == "token":
             out.append(ev[1].token_id)
             stamps.append(time.perf_counter())
-    job = Job(tokens=ids, gen=Sampling.from_json({"temperature": 0.0, "max_tokens": max_tokens}), emit=emit,
-              grammar=None)
+    fields = {"tokens": ids} if bridged is None else bridged_job(m, ids, bridged)
+    job = Job(gen=Sampling.from_json({"temperature": 0.0, "max_tokens": max_tokens}), emit=emit, grammar=None,
+              **fields)
     m.submit(job)
     done.wait(1800)
     return out, stamps[-1] - stamps[0]
 
 
-def measure(m: MLXModel, method: str, draft: str | None, prompts: list[list[int]], n: int, k: int) -> dict:
+def measure(m: MLXModel, method: str, draft: str | None, prompts: list[list[int]], n: int, k: int,
+            bridged: bool | None = None) -> dict:
     cfg = SpeculativeConfig(method=method, draft_path=draft if method in ("eagle3", "dflash") else None, num_draft=k,
                             adaptive=False)
     m.speculation = SpecController(cfg)
     toks = secs = 0
     outs = []
     for ids in prompts:
-        out, s = run(m, ids, n)
+        out, s = run(m, ids, n, bridged)
         outs.append(out)
         toks, secs = toks + len(out) - 1, secs + s
     st = m.speculation.stats
     forwards = st.verify_steps + st.plain_steps
     per_forward = (toks + len(prompts)) / forwards if forwards else 1.0  # the first token comes with the prefill
-    return {"method": method, "tok_s": toks / secs, "per_forward": per_forward, "outs": outs,
+    name = method + {None: "", False: ", bridged", True: ", bridged + head KV"}[bridged]
+    return {"method": name, "tok_s": toks / secs, "per_forward": per_forward, "outs": outs,
             "accepted": st.accepted, "drafted": st.drafted}
 
 
@@ -115,6 +152,8 @@ def main() -> None:
     print(f"head: {head if trained else 'untrained (no cached head: make draft-head)'}; {len(prompts)} prose "
           f"prompts, {n} tokens each, greedy, k={a.num_draft}")
     rows = [measure(eagle, meth, head, ids, n, a.num_draft) for meth in ("off", "prompt_lookup", "eagle3")]
+    # the split's case: the prompt's KV arrives; the head's prompt state with it (prefill_draft_path) or not
+    rows += [measure(eagle, "eagle3", head, ids, n, a.num_draft, bridged) for bridged in (False, True)]
     eagle.stop()
     df = node("dflash", untrained_dflash(target, str(tmp / "dflash"), block_size=a.num_draft + 1))
     rows.append(measure(df, "dflash", "untrained", ids, n, a.num_draft))
@@ -123,7 +162,7 @@ def main() -> None:
     base = rows[0]
     for r in rows:
         same = "same as off" if r["outs"] == base["outs"] else "DIFFERS from off"
-        print(f"{r['method']:>14}: {r['per_forward']:.2f} tokens/target forward, {r['tok_s']:.2f} decode tok/s "
+        print(f"{r['method']:>30}: {r['per_forward']:.2f} tokens/target forward, {r['tok_s']:.2f} decode tok/s "
               f"({r['tok_s'] / base['tok_s']:.2f}x off), accepted {r['accepted']}/{r['drafted']} drafted, {same}")
 
 

@@ -77,6 +77,10 @@ class ReceivedKV:
     _release: Callable[[], None] | None = field(default=None, repr=False)
     wire_dtype: str = "float32"  # how it travelled (the fidelity canary's tolerance depends on it)
     layer_first: np.ndarray | None = field(default=None, repr=False)  # per layer, the first position sent (windows)
+    # the drafter's own KV of the same tokens (StreamHeader.draft_layers), (Ld, H, T, D) each, copied out of the
+    # pooled buffers so they outlive release(); None when the prefill node ran no drafter
+    draft_keys: np.ndarray | None = field(default=None, repr=False)
+    draft_values: np.ndarray | None = field(default=None, repr=False)
 
     def release(self) -> None:
         """The KV has been copied out: its buffers go back to the receiver's pool. keys/values are unusable after."""
@@ -136,7 +140,7 @@ class Transfer:
         if hdr.start != self.start or hdr.start + hdr.num_tokens != self.num_tokens:
             raise TransferError("kv_error", f"transfer declares tokens [{hdr.start}, {hdr.start + hdr.num_tokens}), "
                                 f"decode expects [{self.start}, {self.num_tokens})")
-        total = 2 * hdr.num_kv_heads * hdr.head_dim * self.itemsize * hdr.num_tokens * hdr.num_layers  # as held
+        total = 2 * hdr.num_kv_heads * hdr.head_dim * self.itemsize * hdr.num_tokens * hdr.all_layers  # as held
         if hdr.num_tokens > self.cfg.max_tokens or total > self.cfg.max_transfer_bytes:
             raise TransferError("kv_error", f"transfer of {hdr.num_tokens} tokens / {total} bytes is over the "
                                 f"configured bound ({self.cfg.max_tokens} tokens, {self.cfg.max_transfer_bytes} bytes)")
@@ -151,9 +155,9 @@ class Transfer:
         self._check_live()
         if self._first is None:
             self._allocate(hdr)
-        elif hdr.dtype != self._first.dtype:
-            raise TransferError("kv_error", f"streams of one transfer disagree on the wire dtype ({hdr.dtype}, "
-                                f"{self._first.dtype})")
+        elif hdr.dtype != self._first.dtype or hdr.draft_layers != self._first.draft_layers:
+            raise TransferError("kv_error", f"streams of one transfer disagree on the wire dtype or drafter layers "
+                                f"({hdr.dtype}, {self._first.dtype}; {hdr.draft_layers}, {self._first.draft_layers})")
         layers, heads = list(hdr.stream_layers), slice(hdr.head_start, hdr.head_start + hdr.heads)
         if self._claimed[layers, heads].any():
             raise TransferError("kv_error", "transfer is already streaming these layers and heads on another "
@@ -167,7 +171,7 @@ class Transfer:
         self.progress_at = time.monotonic()
 
     def _allocate(self, hdr: wire.StreamHeader) -> None:
-        shape = (hdr.num_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
+        shape = (hdr.all_layers, hdr.num_kv_heads, hdr.num_tokens, hdr.head_dim)
         storage = dtypes.TARGETS[self.dtype]
         if self.pool is None:
             self._keys, self._values = np.empty(shape, storage), np.empty(shape, storage)
@@ -254,17 +258,18 @@ class Transfer:
             missing = self._missing(hdr.stream_layers, slice(hdr.head_start, hdr.head_start + hdr.heads))
             if missing:
                 raise wire.WireError(f"DONE before all KV arrived ({missing} layer-head-tokens missing)")
-            if self._landing == 0 and self._missing(range(hdr.num_layers), slice(None)) == 0:
+            if self._landing == 0 and self._missing(range(hdr.all_layers), slice(None)) == 0:
                 self.finish()
 
     def finish(self) -> None:
         for layer in np.flatnonzero(self._layer_first > self.start):  # before a sliding window: nothing was sent
             self._keys[layer, :, :self._layer_first[layer] - self.start] = 0
             self._values[layer, :, :self._layer_first[layer] - self.start] = 0
-        bufs, pool = self._bufs, self.pool
+        bufs, pool, n = self._bufs, self.pool, self._first.num_layers
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
-        kv = ReceivedKV(self.start, self._keys, self._values, self._bytes, time.perf_counter() - self._t0,
-                        self._link_s, self.dtype, release, self._first.dtype, self._layer_first.copy())
+        draft = (self._keys[n:].copy(), self._values[n:].copy()) if self._first.draft_layers else (None, None)
+        kv = ReceivedKV(self.start, self._keys[:n], self._values[:n], self._bytes, time.perf_counter() - self._t0,
+                        self._link_s, self.dtype, release, self._first.dtype, self._layer_first[:n].copy(), *draft)
         self._end(lambda: self.future.done() or self.future.set_result(kv))
 
     def fail(self, reason: str, message: str) -> None:

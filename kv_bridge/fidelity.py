@@ -122,6 +122,9 @@ class Verdict:
     over_allowance: bool = False  # verified on placement, position and gain; the error magnitude alone is past it
     allowance: float | None = None  # the pair's calibrated rel. RMS allowance that judged it (None: its class's)
     excess: float | None = None  # the rel. RMS allowance this canary needed (worst head, past the wire's own)
+    # the EAGLE-3 head's KV the prefill node sent, against the head over this node's own prefill: {"layer", "k",
+    # "v", "k_tol", "v_tol", "findings"} (worst head's rel. RMS); it never fails the pair. None: no head KV came
+    draft: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -182,7 +185,7 @@ async def run_canary(http, model: str, prefill: tuple[str, str], decode: tuple[s
         try:
             await _call(http, "POST", purl + "/v1/prefill", headers, json={
                 "request_id": tid, "model": model, "token_ids": exp["token_ids"], "kv_target": exp["kv_target"],
-                "kv_start": exp.get("kv_start", 0)})
+                "kv_start": exp.get("kv_start", 0), **({"next_token": exp["next_token"]} if "next_token" in exp else {})})
         except BaseException:
             waiting.cancel()
             with contextlib.suppress(Exception):  # the prefill's own failure is what the verdict says

@@ -46,6 +46,7 @@ MAX_JSON_BYTES = 64 << 10
 TAG_BYTES = 32  # header auth: HMAC-SHA256; frame tags: keyed BLAKE3
 FRAME_KEY_CONTEXT = "disagg kv frame-mac v3"  # BLAKE3 derive_key context: frame tags get a key of their own (the tag
 # is computed as in wire version 3; version 4 only dropped the checksum before it)
+MAX_DRAFT_LAYERS = 8  # a drafter's own KV layers after the model's (an EAGLE-3 head: 1)
 HOT_BYTES = 256 << 10  # a writer hashes this much of a payload, then sends it while it is still in cache
 _HEX_TAG = re.compile(f"[0-9a-f]{{{2 * TAG_BYTES}}}")
 
@@ -72,6 +73,9 @@ class StreamHeader:
     layers: tuple[int, ...] | None = None  # the layers this stream carries (ascending); None: all of them
     window: int = 0  # > 0: on window_layers only the last `window` tokens of the transfer are sent (sliding layers)
     window_layers: tuple[int, ...] = ()
+    # > 0: layers num_layers.. carry a learned drafter's own KV of the prompt (an EAGLE-3 head run by the prefill
+    # node), with the model's heads and head_dim; the decode node hands them to its head (docs/speculative.md)
+    draft_layers: int = 0
     auth: str | None = None  # hex HMAC-SHA256 over the fields above and frame_mac (sign_header); None: open
     frame_mac: bool = False  # every later sender frame carries a chained tag
 
@@ -93,8 +97,13 @@ class StreamHeader:
         return self.head_count or self.num_kv_heads
 
     @property
+    def all_layers(self) -> int:
+        """The model's layers and the drafter's after them."""
+        return self.num_layers + self.draft_layers
+
+    @property
     def stream_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.num_layers)) if self.layers is None else self.layers
+        return tuple(range(self.all_layers)) if self.layers is None else self.layers
 
     def layer_start(self, layer: int) -> int:
         """First token position this stream sends for `layer` (a sliding layer's window starts late)."""
@@ -125,7 +134,7 @@ class StreamHeader:
         if hdr.dtype not in dtypes.STORAGE:
             raise WireError(f"wire dtype {hdr.dtype!r} not supported; expected one of {sorted(dtypes.STORAGE)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "start", "num_tokens", "head_start", "head_count",
-                     "window"):
+                     "window", "draft_layers"):
             if not isinstance(getattr(hdr, name), int) or getattr(hdr, name) < 0:
                 raise WireError(f"bad stream header field {name}={getattr(hdr, name)!r}")
         _check_slices(hdr)
@@ -136,7 +145,7 @@ class StreamHeader:
         return 2 * self.heads * count * self.head_dim * (itemsize or dtypes.itemsize(self.dtype))
 
 
-_DEFAULTED = ("head_start", "head_count", "layers", "window", "window_layers")
+_DEFAULTED = ("head_start", "head_count", "layers", "window", "window_layers", "draft_layers")
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StreamHeader)}
 
 
@@ -148,13 +157,15 @@ def _int_tuple(value, name: str) -> tuple[int, ...]:
 
 def _check_slices(hdr: StreamHeader) -> None:
     """The heads and layers a stream declares lie inside the model's, layers ascending without repeats."""
+    if hdr.draft_layers > MAX_DRAFT_LAYERS:
+        raise WireError(f"bad stream header field draft_layers={hdr.draft_layers}: at most {MAX_DRAFT_LAYERS}")
     if hdr.head_start + hdr.heads > hdr.num_kv_heads:
         raise WireError(f"stream heads [{hdr.head_start}, {hdr.head_start + hdr.heads}) outside the model's "
                         f"{hdr.num_kv_heads}")
     for name in ("layers", "window_layers"):
         ls = getattr(hdr, name) or ()
-        if any(b <= a for a, b in zip(ls, ls[1:])) or any(not 0 <= x < hdr.num_layers for x in ls):
-            raise WireError(f"bad stream header field {name}: ascending layer indices below {hdr.num_layers}")
+        if any(b <= a for a, b in zip(ls, ls[1:])) or any(not 0 <= x < hdr.all_layers for x in ls):
+            raise WireError(f"bad stream header field {name}: ascending layer indices below {hdr.all_layers}")
 
 
 def _auth_message(hdr: StreamHeader) -> bytes:
@@ -163,6 +174,8 @@ def _auth_message(hdr: StreamHeader) -> bytes:
     sliced = [hdr.head_start, hdr.head_count, hdr.layers and list(hdr.layers), hdr.window, list(hdr.window_layers)]
     if sliced != [0, 0, None, 0, []]:  # a single full stream signs exactly what it signed before streams were sliced
         fields.append(sliced)
+    if hdr.draft_layers:  # signed too; a header without them signs what it signed before they existed
+        fields.append({"draft_layers": hdr.draft_layers})
     return b"disagg kv header\0" + json.dumps(fields, separators=(",", ":")).encode()  # JSON: unambiguous
 
 
@@ -353,7 +366,7 @@ def parse_kv_prefix(prefix: bytes | memoryview, body_len: int, hdr: StreamHeader
     if body_len < KV_PREFIX.size:
         raise WireError("KV frame shorter than its prefix")
     layer, start, count, k_scale, v_scale = KV_PREFIX.unpack_from(prefix)
-    if layer >= hdr.num_layers or (hdr.layers is not None and layer not in hdr.layers):
+    if layer >= hdr.all_layers or (hdr.layers is not None and layer not in hdr.layers):
         raise WireError(f"KV frame for layer {layer}, which the stream does not carry")
     end, first = hdr.start + hdr.num_tokens, hdr.layer_start(layer)
     if count == 0 or start < first or start + count > end:

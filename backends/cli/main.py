@@ -304,6 +304,24 @@ def _prepare_learned(route, args: argparse.Namespace) -> int:
         print(f"disagg: {e}", file=sys.stderr)
         return 1
     print(f"{route.id}: {method} drafter ready at {folder} ({source}): {summary}")
+    if route.prefill_draft_path and method == "eagle3":  # the prefill nodes run the same head over each prompt
+        return _prepare_prefill_head(route, source)
+    return 0
+
+
+def _prepare_prefill_head(route, source: str) -> int:
+    """The head at [[models]] prefill_draft_path, checked as a prefill node starts it (backends/prefill/
+    draft_head.py: its KV shape the model's, a dtype vLLM can read)."""
+    from backends.cli import checkpoints
+    from backends.prefill.draft_head import check_head
+
+    try:
+        folder = checkpoints.fetch(source, resolve_model_path(route, role="prefill_draft"))
+        check_head(folder, resolve_model_path(route, role="prefill"))
+    except (checkpoints.CheckpointError, ValueError) as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return 1
+    print(f"{route.id}: the prefill nodes' eagle3 head ready at {folder}: its prompt KV rides the KV stream")
     return 0
 
 

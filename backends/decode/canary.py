@@ -80,7 +80,7 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
     from kv_bridge.mlx import fidelity
     from kv_bridge.mlx.cache import append_kv, build_prompt_cache, quantize
 
-    t0, wire = time.perf_counter(), kv.wire_dtype
+    t0, wire, head_kv = time.perf_counter(), kv.wire_dtype, _draft_kv(m, kv, prefix)
     try:
         if prefix:
             held = yield from fidelity.prefill(m.model, ids[:prefix], chunk=prefix)
@@ -92,6 +92,12 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
     reference = yield from fidelity.prefill(m.model, ids[:-1], chunk=len(ids))
     out = {**fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix), "weights": weights,
            "greedy": None, "kl": None, "allowance": allowance}
+    if head_kv is not None:  # the head's layer, judged as one more layer; a wrong one costs drafts, not answers
+        yield
+        out["draft"] = _judge_head(m, ids, head_kv, wire, weights, len(bridged))
+        if out["draft"]["findings"]:
+            log.warning("canary of %s: the prefill node's EAGLE-3 head KV differs from this node's head: %s",
+                        m.model_id, out["draft"]["findings"][0]["what"])
     if allowance is not None or measure:
         out.update(canary_allowance.measure(bridged, reference, wire))
     if weights == "full":
@@ -101,6 +107,32 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
         steps = yield from fidelity.greedy(m.model, bridged, reference, ids[-1], greedy_tokens)
         out.update(greedy=f"{steps['agree']}/{steps['steps']}", kl=steps["kl"])
     return {**out, "seconds": time.perf_counter() - t0}
+
+
+def _draft_kv(m, kv, prefix: int):
+    """The head's KV the prefill node sent with the canary, as float32 (H, T, D) K and V, where this node runs an
+    EAGLE-3 head to compare it with (from position 0 only, as a request installs it); else None."""
+    from kv_bridge.dtypes import to_float32
+
+    head = getattr(m, "draft_model", None)
+    if kv.draft_keys is None or prefix or not hasattr(head, "fuse"):
+        return None
+    return to_float32(kv.draft_keys[0], kv.dtype), to_float32(kv.draft_values[0], kv.dtype)
+
+
+def _judge_head(m, ids: list[int], head_kv, wire: str, weights: str, layer: int) -> dict:
+    """The head's figures and findings (named as layer `layer`, the wire's index of it): the prefill node's head KV
+    against the head over this node's own prefill of the canary (eagle3_source.head_prompt_kv), by the canary's
+    own metric. They do not fail the pair: drafts are verified, so a wrong head KV costs acceptance, not answers."""
+    from backends.decode.speculative.eagle3_source import head_prompt_kv
+    from kv_bridge.mlx.fidelity_metric import judge
+
+    k, v = head_prompt_kv(m.draft_model, m.model, ids)
+    res = judge([{"k": head_kv[0], "v": head_kv[1]}], [{"k": k, "v": v}], wire, weights)
+    row = res["layers"][0]
+    found = [{**f, "layer": layer, "what": f"EAGLE-3 head's KV: {f['what']}"} for f in res["findings"]]
+    return {"layer": layer, "k": row["k"], "v": row["v"], "k_tol": row["k_tol"], "v_tol": row["v_tol"],
+            "findings": found[:4]}
 
 
 def verdict(model: str, node: str, kv_dtype: str, wire: str, tokens: int, out: dict) -> Verdict:
@@ -127,7 +159,8 @@ def verdict(model: str, node: str, kv_dtype: str, wire: str, tokens: int, out: d
     return Verdict(model, "", node, state, worst.get("value"), worst.get("layer"), worst.get("tensor"),
                    worst.get("tolerance"), wire, kv_dtype, tokens, out["greedy"], out["seconds"], msg, out["layers"],
                    out["kl"], head=worst.get("head"), metric=worst.get("metric"), weights=weights,
-                   findings=findings[:8], over_allowance=over, allowance=allowance, excess=out.get("excess"))
+                   findings=findings[:8], over_allowance=over, allowance=allowance, excess=out.get("excess"),
+                   draft=out.get("draft"))
 
 
 def _options(body: dict, m) -> dict:
@@ -192,7 +225,7 @@ def register(app: web.Application, svc) -> None:
         # A caller that never asks for the result must not leave the reservation behind.
         asyncio.get_running_loop().call_later(cfg.timeout_s + 60, _drop, tid)
         return web.json_response({"transfer_id": tid, "token_ids": ids[:-1], "kv_target": svc.node.kv_target,
-                                  "kv_start": prefix})
+                                  "kv_start": prefix, "next_token": ids[-1]})
 
     async def compared(m, ids: list[int], prefix: int, opts: dict, t, timeout: float) -> dict:
         """The verdict's JSON: the KV's arrival within `timeout`, then the comparison on the MLX thread, whose own

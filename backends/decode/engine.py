@@ -43,6 +43,7 @@ class Job:
     on_finished: Callable[[list[int], list], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     grammar: object | None = None
+    draft_kv: tuple | None = None  # (start, keys, values): a drafter's own prompt KV from the prefill node
 
 
 @dataclass(eq=False)

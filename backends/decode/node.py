@@ -167,7 +167,9 @@ class DecodeService:
                 hook(m.model_id, toks, cache)
         return Job(tokens=ids[start:], gen=gen, emit=None, history=ids[:start],
                    make_cache=None if start == 0 else (lambda: m.prompt_cache(prefix, kv)),
-                   on_finished=finished if m.prefixes.enabled or hook is not None else None, grammar=grammar)
+                   on_finished=finished if m.prefixes.enabled or hook is not None else None, grammar=grammar,
+                   draft_kv=None if kv is None or kv.draft_keys is None else
+                   (kv.start, kv.draft_keys, kv.draft_values))  # the prefill node's head KV of the same tokens
 
     async def _await_kv(self, transfer, kv_tokens: int):
         """(the received KV or None, a done line carrying how it arrived or why not)."""

@@ -32,9 +32,12 @@ def engine_args(settings: Settings, route: ModelRoute, utilization: float | None
 
     from kv_bridge.families import vllm_hf_overrides
 
+    from backends.prefill.draft_head import speculative_config
+
     path = _path(route)
     warn_slow_cpu_dtype(settings.prefill.dtype)
     return AsyncEngineArgs(
+        speculative_config=speculative_config(route, path),  # an EAGLE-3 head: its prompt KV is one more layer
         model=str(path),
         hf_overrides=vllm_hf_overrides(path),  # e.g. gpt-oss yarn: compute the rope mlx-lm computes
         # sliding-window layers keep every token, so the bridge can rebuild mlx-lm's rotating caches exactly
@@ -171,7 +174,12 @@ class PrefillService:
         if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids):
             raise bad_request(f"kv_start must be an integer in [0, {len(ids)}) (len(token_ids)), got {start!r}")
         kvp = {"transfer_id": rid, "host": target["host"], "port": target["port"], "start": start}
-        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kvp})
+        nxt = body.get("next_token")  # the prompt's last token: the head's last position reads it, not a guess
+        if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0):
+            raise bad_request(f"next_token must be a non-negative integer, got {nxt!r}")
+        head = nxt is not None and self.routes[body["model"]].prefill_draft_path  # else vLLM's own greedy token
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kvp},
+                                allowed_token_ids=[nxt] if head else None)
         t0 = time.perf_counter()
         out = await self._run(engine, ids, params, f"prefill-{rid}")
         return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0,

@@ -141,7 +141,9 @@ class PrefillCall:
     async def _prefill_call(self, node: NodeState) -> tuple[str | None, bool]:
         payload = {
             "request_id": self.request_id, "model": self.route.id, "token_ids": self.prompt[:-1],
-            "kv_start": self.kv_start,
+            # the prompt's last token: a prefill node running an EAGLE-3 head feeds it (not its own guess) to the
+            # head's last prefilled position (docs/speculative.md, the prompt's drafter state)
+            "next_token": self.prompt[-1], "kv_start": self.kv_start,
             "kv_target": self.decode.config.kv_target,
         }
         t0 = time.monotonic()

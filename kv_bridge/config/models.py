@@ -26,6 +26,10 @@ class ModelRoute(ModelSizes):
     #   here; on Apple Silicon the break-even is far higher: rerun the bench on the site and set it per model.
     prefill_path: str | None = Field(default=None, description="prefill nodes' folder when it is not `path` (one "
                                      "machine holding both sides: vLLM's checkpoint beside MLX's)")
+    prefill_draft_path: str | None = Field(default=None, description="an EAGLE-3 head's folder (as published) that "
+                                           "the prefill nodes run over each prompt, its prompt KV sent as one more "
+                                           "layer for the decode node's head (speculative.method \"eagle3\"); "
+                                           "None: the decode node's head starts from its own forwards")
     min_disagg_tokens: int = Field(default=3, ge=1, description="a KV range (prompt minus its last token) shorter "
                                    "than this is prefilled on the decode node")
     max_inflight: int | None = Field(default=None, ge=1, description="most generations (one per choice) of this "
@@ -71,8 +75,12 @@ class UpstreamConfig(BaseModel):
 
 
 def resolve_model_path(route: ModelRoute, base: Path | None = None, role: str | None = None) -> Path:
-    """Model paths in config.toml are relative to the config file's folder; role "prefill": its prefill_path."""
-    p = Path(route.prefill_path if role == "prefill" and route.prefill_path else route.path)
+    """Model paths in config.toml are relative to the config file's folder; role "prefill": its prefill_path;
+    "prefill_draft": its prefill_draft_path."""
+    if role == "prefill_draft":
+        p = Path(route.prefill_draft_path)
+    else:
+        p = Path(route.prefill_path if role == "prefill" and route.prefill_path else route.path)
     if not p.is_absolute():
         p = (base or config_path().resolve().parent) / p
     return p

@@ -129,6 +129,12 @@ def build_prompt_cache(model, keys: np.ndarray, values: np.ndarray, dtype: mx.Dt
     return caches
 
 
+def plain_caches(keys: np.ndarray, values: np.ndarray, dtype: mx.Dtype | None = None) -> list:
+    """A KVCache per layer of received (L, H, T, D) KV (a drafter's own layers: StreamHeader.draft_layers)."""
+    t = keys.shape[2]
+    return [KVCache.from_state((_mx(keys[i], dtype), _mx(values[i], dtype), t)) for i in range(keys.shape[0])]
+
+
 def append_kv(cache: list, keys: np.ndarray, values: np.ndarray, dtype: mx.Dtype | None = None) -> list:
     """Extend an mlx-lm cache list (e.g. a reused prefix's) by received (L, H, T, D) KV for the positions after it.
 

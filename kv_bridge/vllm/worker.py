@@ -51,6 +51,7 @@ class WorkerSide:
         self._streams: dict[str, wire.StreamHeader] = {}  # open streams of this rank
         self._failed: set[str] = set()  # transfers failed here: nothing more is sent for them
         self._spec: dict = {}
+        self._draft_layers = 0  # the drafter's layers this engine runs after the model's (an EAGLE-3 head: 1)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg, mc = self._cfg, self._cfg.model_config
@@ -71,7 +72,7 @@ class WorkerSide:
             found[name] = (int(m.group(1)), ctx[name])
             spec = self._spec_of(name)
             if spec is not None:
-                check_cache_spec(name, spec, heads, head_dim, block)
+                check_cache_spec(name, spec, heads, head_dim, block)  # a drafter's layer too (see _header)
             # the layer's own window: with one KV cache group (hybrid manager off) the group's spec carries the
             # model's sliding window for full-attention layers too
             w = getattr(ctx[name], "sliding_window", None)
@@ -84,21 +85,25 @@ class WorkerSide:
         extractor = Extractor(next(iter(layouts.values())).layout, wire_dtype, cache_dtype.startswith("fp8"),
                               first.device)
         self.configure(extractor, spec, found, rank_heads(spec["num_kv_heads"], tp_size, tp_rank),
-                       _uniform_window(windows), layouts)
+                       _uniform_window(windows), layouts, _draft_layers(cfg))
         log.info("disagg connector: %s; attention %s (%s); cache block %d, cache %s -> wire %s, %d layers, heads %s "
-                 "of %d, window %s, KV auth %s", runtime(), describe(layouts, self._layer_index), order, block,
-                 cache_dtype, wire_dtype, len(kv_caches), self._heads, self._spec["num_kv_heads"], self._window,
+                 "of %d, window %s, drafter layers %d, KV auth %s", runtime(), describe(layouts, self._layer_index),
+                 order, block, cache_dtype, wire_dtype, len(kv_caches), self._heads, self._spec["num_kv_heads"],
+                 self._window, self._draft_layers,
                  "off" if self._kv_key is None else "per frame" if self._frame_mac else "header only")
 
     def configure(self, extractor: Extractor, spec: dict, layers: dict[str, tuple[int, object]],
                   heads: tuple[int, int] | None, window: tuple[int, tuple[int, ...]] = (0, ()),
-                  layouts: dict[str, LayerLayout] | None = None) -> None:
+                  layouts: dict[str, LayerLayout] | None = None, draft_layers: int | None = None) -> None:
         """What register_kv_caches found (also how tests drive a rank without an engine): the extractor, the model's
         KV spec, this rank's layers (name -> (index, vLLM attention layer)), its heads (None: a replica that sends
-        nothing), the sliding window and each layer's layout (default: the extractor's for all)."""
+        nothing), the sliding window, each layer's layout (default: the extractor's for all) and the drafter's layers
+        after the model's in the whole engine (default: those this rank holds; every rank's header declares them)."""
         self._extractor, self._spec, self._heads, self._window = extractor, spec, heads, window
         self._layouts = layouts or {name: LayerLayout("", extractor.layout) for name in layers}
         self._layer_index = {name: i for name, (i, _) in layers.items()}
+        beyond = {i for i in self._layer_index.values() if i >= spec["num_layers"]}
+        self._draft_layers = len(beyond) if draft_layers is None else draft_layers
         self._layers = {name: layer for name, (_, layer) in layers.items()}
         self.sender = KVSender(self._sender_bytes, self._timeouts[0], self._kv_key, self._frame_mac,
                                send_timeout_s=self._timeouts[1])
@@ -110,15 +115,18 @@ class WorkerSide:
         return None
 
     def _header(self, s: SendSpec) -> wire.StreamHeader:
-        layers = tuple(sorted(set(self._layer_index.values())))
+        # a speculative_config head (vLLM's EAGLE-3 proposer) registers its layer after the model's, named
+        # model.layers.<num_layers>...: its prompt KV rides the stream as one more layer (StreamHeader.draft_layers)
+        layers, n = tuple(sorted(set(self._layer_index.values()))), self._spec["num_layers"]
+        draft = self._draft_layers
         full = self._heads == (0, self._spec["num_kv_heads"])
         window, wl = self._window
         return wire.StreamHeader(
-            transfer_id=s.transfer_id, fingerprint=self._spec["fingerprint"], num_layers=self._spec["num_layers"],
+            transfer_id=s.transfer_id, fingerprint=self._spec["fingerprint"], num_layers=n, draft_layers=draft,
             num_kv_heads=self._spec["num_kv_heads"], head_dim=self._spec["head_dim"],
             dtype=self._extractor.wire_dtype, start=s.kv_start, num_tokens=s.total - s.kv_start,
             head_start=0 if full else self._heads[0], head_count=0 if full else self._heads[1],
-            layers=None if len(layers) == self._spec["num_layers"] else layers,
+            layers=None if len(layers) == n + draft else layers,
             # layer 0 travels whole even where it slides (gpt-oss): the decode node checks every position of it
             # against its own recomputation (kv_bridge/mlx/traffic.py); ~5% more bytes on gpt-oss-120b
             window=window, window_layers=tuple(x for x in wl if x in layers and x != 0) if window else ())
@@ -193,3 +201,14 @@ def _uniform_window(windows: dict[int, int]) -> tuple[int, tuple[int, ...]]:
             log.warning("sliding layers with different windows %s: sending every token of them", windows)
         return 0, ()
     return next(iter(windows.values())), tuple(sorted(windows))
+
+
+def _draft_layers(cfg) -> int:
+    """The layers of an EAGLE-3 head the engine runs (speculative_config): their KV follows the model's."""
+    spec = getattr(cfg, "speculative_config", None)
+    if spec is None or not spec.use_eagle():
+        return 0
+    if spec.method != "eagle3":
+        raise ValueError(f"speculative_config method {spec.method!r} on a prefill node: only an EAGLE-3 head's KV is "
+                         "bridged (set the model's prefill_draft_path to an EAGLE-3 head, or leave it unset)")
+    return int(spec.draft_model_config.hf_config.num_hidden_layers)

@@ -299,6 +299,28 @@ def test_parse_kv_rejects_out_of_range_frames():
             wire.parse_kv(body, hdr)
 
 
+def test_drafter_layers_are_declared_bounded_and_signed():
+    """A drafter's layer (StreamHeader.draft_layers) follows the model's: a frame for it parses, one past it does
+    not; the header's tag covers the count; an absurd count is refused before anything is allocated."""
+    hdr = header("t", 10, draft_layers=1)
+    assert wire.StreamHeader.from_json(hdr.to_json()) == hdr and hdr.stream_layers == tuple(range(L + 1))
+    assert "draft_layers" not in header("t", 10).to_json()  # a stream without a drafter: its JSON as before
+    k, v = kv_data(10)
+    for layer, ok in ((L, True), (L + 1, False)):
+        body = memoryview(kv_frame(layer, 0, k[0], v[0])[wire.PREFIX.size:-wire.XXH.size])
+        if ok:
+            assert wire.parse_kv(body, hdr)[0] == L
+        else:
+            with pytest.raises(wire.WireError, match="does not carry"):
+                wire.parse_kv(body, hdr)
+    key = b"k" * 32
+    signed = wire.sign_header(hdr, key)
+    assert wire.header_auth_ok(signed, key)
+    assert not wire.header_auth_ok(wire.StreamHeader.from_json({**signed.to_json(), "draft_layers": 0}), key)
+    with pytest.raises(wire.WireError, match="draft_layers"):
+        wire.StreamHeader.from_json({**hdr.to_json(), "draft_layers": wire.MAX_DRAFT_LAYERS + 1})
+
+
 def test_bad_json_header_fields_rejected():
     for bad in ({}, {**header("t", 1).to_json(), "version": 99}, {**header("t", 1).to_json(), "dtype": "int8"},
                 {**header("t", 1).to_json(), "num_tokens": -1}):

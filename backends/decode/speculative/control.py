@@ -62,6 +62,7 @@ class SpecStats:
     probes: int = 0  # verify steps run while off, to measure acceptance and cost again
     requests: dict[str, int] = field(default_factory=dict)
     by_source: dict[str, list[int]] = field(default_factory=dict)  # name -> [verify steps, drafted, accepted]
+    draft_kv_tokens: int = 0  # prompt tokens whose drafter KV came from the prefill node (installed, not computed)
 
     def ran(self, reason: str) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + 1

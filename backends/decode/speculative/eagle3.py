@@ -190,8 +190,11 @@ def save_eagle3(head: Eagle3Head, config: dict, path: str) -> str:
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    # vLLM reads the dtype from config.json, else from the safetensors metadata (a null one stops its start)
+    config = {**config, "torch_dtype": str(head.fc.weight.dtype).removeprefix("mlx.core.")}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(head.parameters())))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(head.parameters())),
+                        metadata={"format": "mlx"})
     return str(folder)
 
 
@@ -208,11 +211,13 @@ def head_config(target: dict, heads: int, kv_heads: int, head_dim: int, intermed
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3], "use_aux_hidden_state": True}}
 
 
-def untrained_eagle3(target: dict, path: str, seed: int = 0, draft_ids: list[int] | None = None) -> str:
+def untrained_eagle3(target: dict, path: str, seed: int = 0, draft_ids: list[int] | None = None,
+                     attention: tuple[int, int, int] = (2, 1, 32)) -> str:
     """A small random head for `target` (tests: only losslessness depends on a head, never its quality). With
-    `draft_ids`, a draft vocabulary of those target ids and its d2t."""
+    `draft_ids`, a draft vocabulary of those target ids and its d2t; `attention`: (heads, KV heads, head_dim)."""
     mx.random.seed(seed)
-    cfg = head_config(target, heads=2, kv_heads=1, head_dim=32, intermediate=64,
+    heads, kv_heads, head_dim = attention
+    cfg = head_config(target, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=64,
                       draft_vocab=len(draft_ids) if draft_ids else None)
     head = Eagle3Head(Eagle3Config.from_dict(cfg))
     if draft_ids:

@@ -24,6 +24,22 @@ class Eagle3Source(HiddenSource):
         self.cache = [KVCache()]
         self.last = None  # (pre-norm output (1, 1, H), draft logits (1, V)) at the latest consumed position
 
+    def install_prompt_kv(self, start: int, keys, values) -> bool:
+        """The head's own KV of prompt positions [start, start + T) as the prefill node's head computed it
+        ((1, H, T, D) numpy in the decode KV dtype): its context then starts at the prompt's first token. Only from
+        position 0 (the head's cache offset is its RoPE position) and before any state arrived; False otherwise."""
+        from kv_bridge.mlx.cache import plain_caches
+
+        cfg = self.head.cfg
+        if start != 0 or self.next is not None or self.cache[0].offset != 0 or keys.shape[0] != 1:
+            return False
+        if keys.shape[1::2] != (cfg.num_key_value_heads, cfg.head_dim):
+            raise ValueError(f"the prefill node's head KV has (heads, head_dim) {keys.shape[1::2]}, this node's head "
+                             f"{(cfg.num_key_value_heads, cfg.head_dim)}: the two sides run different heads")
+        self.cache = plain_caches(keys, values, self.head.fc.weight.dtype)
+        self.next = keys.shape[2]  # the first position whose row the target's forwards here hand over
+        return True
+
     def _consume(self, most: int | None = None) -> bool:
         """The head over the next ready rows; a row at position p needs x[p+1], so rows stop before len(seq) - 1."""
         import mlx.core as mx
@@ -79,3 +95,24 @@ class Eagle3Source(HiddenSource):
     def close(self) -> None:
         super().close()
         self.cache = self.last = None
+
+
+def head_prompt_kv(head, tap, ids: list[int]):
+    """The head's own KV of a prompt as this node computes it (its MLX prefill): the target over `ids`, the head over
+    positions [0, len(ids) - 1) (each reads the next token). (K, V) float32 numpy (H, T, D): the reference the
+    prefill node's head KV is checked against (same rows, same RoPE positions)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache, got = make_prompt_cache(tap.model), []
+    tap.listen(cache, lambda start, hidden: got.append(hidden))
+    try:
+        tap(mx.array([ids[:-1]]), cache=cache)  # causal: the states of positions [0, n - 1) need no more
+    finally:
+        tap.listen(cache, None)
+    embed = head.embed_tokens if "embed_tokens" in head else tap.embed
+    own = [KVCache()]
+    head(embed(mx.array([ids[1:]])), head.fuse(got[0]), own)
+    c, n = own[0], len(ids) - 1
+    return tuple(np.array(a[0, :, :n].astype(mx.float32)) for a in (c.keys, c.values))

@@ -60,6 +60,10 @@ class SpecRun:
         if not can_trim_prompt_cache(self.cache):  # e.g. a recurrent layer's state: the batch must take it
             return False
         self.sources = make_sources(self.m, self.seq, self.ctl.cfg, self.cache)
+        if job.draft_kv is not None:  # the prefill node ran the head over the prompt: its KV, not a cold start
+            for src in self.sources:
+                if getattr(src, "install_prompt_kv", lambda *a: False)(*job.draft_kv):
+                    self.ctl.stats.draft_kv_tokens += job.draft_kv[1].shape[2]
         self.ctl.new_generation()
         return True
 

@@ -11,7 +11,8 @@ from tests.support import tiny_models
 from tests.support.cli import run, write
 
 
-def _config(tmp_path: Path, method: str) -> Path:
+def _config(tmp_path: Path, method: str, prefill_head: bool = False) -> Path:
+    prefill = f'prefill_draft_path = "{tmp_path / "prefill-head"}"' if prefill_head else ""
     return write(tmp_path, f"""
 [[nodes]]
 name = "d"
@@ -23,6 +24,7 @@ kv_port = 8201
 id = "m"
 path = "{tmp_path / 'served'}"
 decode = ["d"]
+{prefill}
 
 [models.speculative]
 method = "{method}"
@@ -42,10 +44,11 @@ def test_a_head_for_the_model_is_prepared_and_budgeted(tmp_path):
     from kv_bridge.config.settings import load_config
 
     served = tiny_models.build("llama", tmp_path / "served")
-    src = untrained_eagle3(_target(served), str(tmp_path / "src"))
-    cfg = _config(tmp_path, "eagle3")
+    src = untrained_eagle3(_target(served), str(tmp_path / "src"), attention=(4, 2, 64))  # the model's KV shape
+    cfg = _config(tmp_path, "eagle3", prefill_head=True)
     r = run("models", "prepare", "--config", str(cfg), "--model", "m", "--role", "draft", "--mlx", src, cwd=tmp_path)
     assert r.returncode == 0 and "eagle3 drafter ready" in r.stdout, r.stdout + r.stderr
+    assert "the prefill nodes' eagle3 head ready" in r.stdout  # [[models]] prefill_draft_path: checked for vLLM
     assert "layers [2, 2, 1]" in r.stdout  # vLLM's default for a 4-layer target: 2, L // 2, L - 3
     s = load_config(cfg)
     items = dict(decode_budget(s, s.node("d"), s.models, cfg.parent).items)

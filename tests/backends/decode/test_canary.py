@@ -94,3 +94,27 @@ def test_the_reference_is_one_forward_and_quantized_weights_get_no_greedy_steps(
     assert 0 <= out["excess"] < 0.05 and out["excess_at"]["tensor"] in ("K", "V")  # float32 both sides: nothing
     steps, _ = _steps(run(node_model, ids, _received(node_model.model, ids[:-1], 40), 3, 40, weights="8"))
     assert steps == 2  # the held prefix's own forward, then the reference's
+
+
+def test_the_heads_kv_is_judged_as_one_more_layer_without_failing_the_pair(node_model, tmp_path):
+    """An EAGLE-3 head's KV with the canary (the prefill node ran the head): right, it passes on the fp8 wire too;
+    scaled, it is named as the head's layer, and the pair stays verified (drafts are verified: answers are safe)."""
+    from backends.decode.canary import run, verdict
+    from backends.decode.speculative.eagle3 import untrained_eagle3
+    from backends.decode.speculative.eagle3_source import head_prompt_kv
+    from backends.decode.speculative.hidden import target_args
+    from backends.decode.speculative.learned_load import load_learned
+    from kv_bridge.mlx.fidelity_metric import wire_encode
+
+    target = target_args(node_model.model)
+    tap, head = load_learned("eagle3", untrained_eagle3(target, str(tmp_path / "h")), node_model.model)
+    m = SimpleNamespace(**{**vars(node_model), "model": tap, "draft_model": head, "model_id": "m"})
+    ids, wire = [int(t) for t in np.random.default_rng(7).integers(3, 3000, 80)], "float8_e4m3"
+    k, v = head_prompt_kv(head, tap, ids)
+    for scale, clean in ((1.0, True), (1.5, False)):
+        kv = _received(node_model.model, ids[:-1], 0, wire)
+        kv.draft_keys, kv.draft_values = (wire_encode(a, wire, 32)[None] for a in (k, v * scale))
+        out = _drive(run(m, ids, kv, 3))
+        assert out["draft"]["layer"] == len(out["layers"]) and not out["findings"]
+        assert (not out["draft"]["findings"]) == clean, out["draft"]
+        assert verdict("m", "d", "float32", wire, len(ids), out).state == "verified"

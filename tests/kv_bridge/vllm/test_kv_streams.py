@@ -25,18 +25,19 @@ from tests.support.stack import free_port
 
 L, H, D, BS = 4, 4, 64, 16
 SPEC = {"fingerprint": "abc123", "num_layers": L, "num_kv_heads": H, "head_dim": D}
-NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L + 1)]  # L: an EAGLE-3 head's layer, as vLLM names it
 
 
-def kv_data(n: int, seed: int = 0):
+def kv_data(n: int, seed: int = 0, layers: int = L):
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((L, H, n, D), np.float32), rng.standard_normal((L, H, n, D), np.float32)
+    return rng.standard_normal((layers, H, n, D), np.float32), rng.standard_normal((layers, H, n, D), np.float32)
 
 
 class Rank:
     """One prefill rank: its heads' and layers' paged caches (CPU_ATTN layout) and a connector worker half."""
 
-    def __init__(self, keys, values, tp: tuple[int, int], layers: list[int], window=(0, ()), blocks=None):
+    def __init__(self, keys, values, tp: tuple[int, int], layers: list[int], window=(0, ()), blocks=None,
+                 draft: int | None = None):
         n = keys.shape[2]
         heads = rank_heads(H, *tp)
         h0, hc = heads or (0, 1)
@@ -51,7 +52,7 @@ class Rank:
             self.caches[NAMES[i]] = torch.from_numpy(paged)
         self.worker = WorkerSide(None, None, {"send_timeout_s": 5.0})
         self.worker.configure(Extractor(lay, "float32", False, torch.device("cpu")), SPEC,
-                              {NAMES[i]: (i, None) for i in layers}, heads, window)
+                              {NAMES[i]: (i, None) for i in layers}, heads, window, draft_layers=draft)
 
     def step(self, meta: DisaggConnectorMetadata) -> None:
         for name, cache in self.caches.items():  # layer by layer, as the forward pass calls save_kv_layer
@@ -111,6 +112,19 @@ def test_pipeline_stages_complete_only_with_the_last_stage():
     ranks = [Rank(k, v, (2, r), layers) for layers in ([0, 1], [2, 3]) for r in range(2)]
     got = asyncio.run(transfer_from(ranks, 50, chunks=(20,), order=lambda rs: rs))
     assert np.array_equal(got.keys, k) and np.array_equal(got.values, v)
+
+
+@pytest.mark.parametrize("stages", [[list(range(L + 1))], [[0, 1], [2, 3, L]]], ids=["tp2", "pp2xtp2"])
+def test_a_drafter_layer_rides_the_stream_after_the_model_layers(stages):
+    """An EAGLE-3 head the engine runs (layer L, after the model's): every rank's header declares it, it lands
+    apart from the model's KV, and it outlives the receive buffers going back to the pool."""
+    k, v = kv_data(40, layers=L + 1)
+    ranks = [Rank(k, v, (2, r), layers, draft=1) for layers in stages for r in range(2)]
+    got = asyncio.run(transfer_from(ranks, 40, chunks=(16,), order=lambda rs: rs))
+    assert np.array_equal(got.keys, k[:L]) and np.array_equal(got.values, v[:L])
+    assert np.array_equal(got.draft_keys, k[L:]) and np.array_equal(got.draft_values, v[L:])
+    got.release()
+    assert np.array_equal(got.draft_keys, k[L:])
 
 
 def test_a_stream_that_never_comes_leaves_the_transfer_incomplete():
