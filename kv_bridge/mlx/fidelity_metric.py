@@ -139,11 +139,12 @@ def gain_band(honest: list[dict]) -> list[dict]:
 
 
 def _gain_findings(li: int, t: str, gains: np.ndarray, band: list | None, a_rel: float, gtol: float) -> list:
-    """Heads whose gain lies outside [1 / (1 + a_rel^2), 1] +- gtol (the weights' allowance), or outside the pair's
-    calibrated band ([lo per head, hi per head]) within it: a band tightens both bounds, never loosens them (4-bit
-    SmolLM2's V heads read 0.77-0.99: one of them x1.2 stays under the class's 1 + gtol, not under its own band)."""
-    lo = np.full(gains.shape, 1 / (1 + a_rel ** 2) - gtol)
-    hi = np.full(gains.shape, 1 + gtol)
+    """Heads whose gain lies outside [1 / (1 + a_rel^2), 1] +- gtol (the weights' allowance: "|gain - 1|"), or
+    outside the pair's calibrated band ([lo per head, hi per head]) within it ("|gain - band mid|", its half-width
+    the tolerance): a band tightens both bounds, never loosens them (4-bit SmolLM2's V heads read 0.77-0.99: one of
+    them x1.2 stays under the class's 1 + gtol, not under its own band)."""
+    c_lo, c_hi = 1 / (1 + a_rel ** 2) - gtol, 1 + gtol
+    lo, hi = np.full(gains.shape, c_lo), np.full(gains.shape, c_hi)
     if band is not None:
         b_lo, b_hi = (np.asarray(x, dtype=np.float64) for x in band)
         if b_lo.shape != gains.shape or b_hi.shape != gains.shape:
@@ -152,11 +153,14 @@ def _gain_findings(li: int, t: str, gains: np.ndarray, band: list | None, a_rel:
         lo, hi = np.maximum(lo, b_lo), np.minimum(hi, b_hi)
     out = []
     for h in np.flatnonzero((gains < lo) | (gains > hi)):
-        g = float(gains[h])
-        out.append({"metric": "|gain - 1|", "tensor": t.upper(), "layer": li, "head": int(h), "value": abs(g - 1),
-                    "tolerance": float(hi[h] - 1 if g > 1 else 1 - lo[h]),
-                    "what": f"{t.upper()} head {h} scaled by {g:.3g}" + (
-                        "" if band is None else f" (the pair's calibrated band: {lo[h]:.3g}-{hi[h]:.3g})")})
+        g, what = float(gains[h]), f"{t.upper()} head {h} scaled by {gains[h]:.3g}"
+        if band is None or not c_lo <= g <= c_hi:
+            out.append({"metric": "|gain - 1|", "tensor": t.upper(), "layer": li, "head": int(h), "value": abs(g - 1),
+                        "tolerance": float(c_hi - 1 if g > 1 else 1 - c_lo), "what": what})
+        else:
+            out.append({"metric": "|gain - band mid|", "tensor": t.upper(), "layer": li, "head": int(h),
+                        "value": abs(g - (lo[h] + hi[h]) / 2), "tolerance": float(hi[h] - lo[h]) / 2,
+                        "what": f"{what}, outside the pair's calibrated band {lo[h]:.3g}-{hi[h]:.3g}"})
     return out
 
 

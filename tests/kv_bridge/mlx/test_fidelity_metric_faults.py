@@ -60,7 +60,7 @@ def _one_head(layers, tensor: str, head: int, scale: float, layer: int | None = 
 
 
 def _gain_heads(got) -> set:
-    return {(f["tensor"], f["layer"], f["head"]) for f in got["findings"] if f["metric"] == "|gain - 1|"}
+    return {(f["tensor"], f["layer"], f["head"]) for f in got["findings"] if f["metric"].startswith("|gain - ")}
 
 
 def test_the_pairs_calibrated_band_passes_honest_canaries_and_catches_one_head_scaled(pair):
@@ -75,11 +75,12 @@ def test_the_pairs_calibrated_band_passes_honest_canaries_and_catches_one_head_s
         down = _fp8(_one_head(sent[4], t, 1, 0.85, layer=3))
         assert _gain_heads(judge(down, own[4], "float8_e4m3", "4", 32, rope)) == set()  # the class: within
         got = judge(down, own[4], "float8_e4m3", "4", 32, rope, band=band)
-        assert (t.upper(), 3, 1) in _gain_heads(got) and "calibrated band" in got["findings"][0]["what"], got["worst"]
+        assert (t.upper(), 3, 1) in _gain_heads(got) and got["worst"]["metric"] == "|gain - band mid|", got["worst"]
+        assert "outside the pair's calibrated band" in got["worst"]["what"]
         up = judge(_fp8(_one_head(sent[4], t, 0, 1.2)), own[4], "float8_e4m3", "4", 32, rope, band=band)
         assert {(t.upper(), li, 0) for li in range(4)} <= _gain_heads(up)
     got = judge(_fp8(scaled_down(sent[4])), own[4], "float8_e4m3", "4", 32, rope, band=band)
-    assert any(f["metric"] == "|gain - 1|" and f["head"] is not None and f["tensor"] == "V"
+    assert any(f["metric"].startswith("|gain - ") and f["head"] is not None and f["tensor"] == "V"
                for f in got["findings"]), got["findings"][:3]
     with pytest.raises(ValueError, match="calibrate"):  # a band of another model: measured again, never misapplied
         judge(_fp8(sent[4]), own[4], "float8_e4m3", "4", 32, rope, band=band[:3])
