@@ -24,7 +24,7 @@ import aiohttp
 from kv_bridge.config.settings import Settings
 from kv_bridge.fidelity import Verdict, run_canary
 
-from gateway.cluster.fidelity_state import Calibrations, TrafficHold, _ago, describe_changes
+from gateway.cluster.fidelity_state import Calibrations, TrafficHold, ago, describe_changes
 from gateway.cluster.nodes import NodePool
 from gateway.metrics import Metrics
 
@@ -166,7 +166,7 @@ class Fidelity:
                 row["summary"] = st.error.summary()
             if row["state"] == "provisional":
                 row["summary"] = (f"provisional: {row['reverify']}; carries KV on its verdict of "
-                                  f"{_ago(now - st.at)} ago ({st.verdict.summary()}) until its re-check")
+                                  f"{ago(now - st.at)} ago ({st.verdict.summary()}) until its re-check")
             out.append(row)
         return out
 
@@ -175,7 +175,7 @@ class Fidelity:
             return ""
         why = (self.pairs[pair].error.message if self.pairs[pair].error is not None
                else "a node is down")
-        return f" [stale: measured {_ago(row['age_s'])} ago; since then {why}]"
+        return f" [stale: measured {ago(row['age_s'])} ago; since then {why}]"
 
     def _refresh(self, metrics: Metrics) -> None:
         """Just before a scrape: the gauges from the live state (a node's restart moves them without an event)."""
@@ -306,7 +306,7 @@ class Fidelity:
         cause = v.summary().removeprefix("failed: ").removeprefix("worst ")
         log.log(level, "KV fidelity of %s on %s -> %s FAILED%s: %s (wire %s, KV %s); %s; checked again in %s",
                 *pair, " (demoted: it carried KV provisionally after a restart)" if provisional else "", cause,
-                v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
+                v.wire_dtype, v.kv_dtype, self._consequence(pair), ago(wait))
 
     def demote(self, model: str, prefill: str, decode: str, finding: str) -> None:
         """A real request's KV failed the decode node's layer-0 check (its done line's kv_check): the pair is failed
@@ -344,13 +344,13 @@ class Fidelity:
     def _log_error(self, pair: Pair, v: Verdict) -> None:
         st = self.pairs[pair]
         cur = self._current(pair)
-        keeps = "" if cur is None else f"it keeps its verdict ({cur.state}, measured {_ago(time.monotonic() - st.at)}" \
+        keeps = "" if cur is None else f"it keeps its verdict ({cur.state}, measured {ago(time.monotonic() - st.at)}" \
                                        f" ago, now stale); "
         alert = st.errors >= self.cfg.alert_after_errors
         log.log(logging.ERROR if alert else logging.WARNING,
                 "KV fidelity of %s on %s -> %s could not be checked (%d in a row%s): %s; %s%s; tried again in %s",
                 *pair, st.errors, f", alert after {self.cfg.alert_after_errors}" if alert else "", v.message, keeps,
-                self._consequence(pair), _ago(st.retry_at - time.monotonic()))
+                self._consequence(pair), ago(st.retry_at - time.monotonic()))
 
     def recheck_wait(self, model: str | None = None) -> float:
         """Seconds until an operator may force the canary of every up pair (of `model`) again: `recheck_min_s` after

@@ -92,12 +92,12 @@ class TrafficHold:
         nth = "" if self.count < 2 else f" ({self.count} times in a row: its hold doubled)"
         left = self.left(now)
         when = (f"held until {datetime.fromtimestamp(time.time() + left, timezone.utc):%H:%M:%S} UTC "
-                f"({_ago(left)} from now), then a long canary verifies it again" if left > 0 else
+                f"({ago(left)} from now), then a long canary verifies it again" if left > 0 else
                 "its hold is over: a long canary verifies it again")
         return f"demoted by real traffic{nth}; {when}, or `disagg status --recheck`"
 
 
-def _ago(seconds: float) -> str:
+def ago(seconds: float) -> str:
     return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}min" if seconds < 7200 else \
         f"{seconds / 3600:.1f}h"
 
