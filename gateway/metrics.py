@@ -116,6 +116,13 @@ class Metrics:
                                   "comparison); -1: none", ["model", "prefill", "decode"], registry=r)
         self.fidelity_usable = Gauge("disagg_kv_fidelity_usable", "1 when the pair may carry KV now (its verdict, or "
                                      "a [[fidelity.override]])", ["model", "prefill", "decode"], registry=r)
+        self.fidelity_demoted = Gauge("disagg_kv_fidelity_demoted", "1 when the pair carries no KV on its verdict, "
+                                      "by why: traffic (a request's KV failed the decode node's layer-0 check: held, "
+                                      "then only a long canary or an operator re-promotes it) or canary (a failed "
+                                      "canary)", ["model", "prefill", "decode", "by"], registry=r)
+        self.fidelity_hold = Gauge("disagg_kv_fidelity_hold_seconds", "Seconds until a pair real traffic demoted may "
+                                   "be verified again by a canary of the long form; 0: no hold left",
+                                   ["model", "prefill", "decode"], registry=r)
         self.refreshers: list[Callable[["Metrics"], None]] = []  # gauges set from live state just before a scrape
 
     def declare(self, model_ids) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -61,6 +62,51 @@ def allowance_class(prefill: dict | None, decode: dict | None) -> str:
 def calibrate_command(model: str) -> str:
     """What an operator runs to measure a quantized pair's own allowance (backends/cli/fidelity.py)."""
     return f"disagg fidelity calibrate --model {model} --config <config.toml>"
+
+
+# A pair's calibrated gain band (issue #50): each KV head's honest gains <bridged, mlx> / <mlx, mlx> over the pair's
+# canaries, widened by GAIN_CALIBRATED standard deviations and at least GAIN_MIN_WIDTH each side (3 and 0.02, then 5
+# and 0.03, failed 1 of 5 held-out SmolLM2 4-bit canaries: 180 heads a canary, 5 to calibrate). The judge intersects
+# it with the class's bounds (kv_bridge/mlx/fidelity_metric.py): it only ever tightens them.
+GAIN_CALIBRATED = 5.0
+GAIN_MIN_WIDTH = 0.06
+
+
+def gain_band(canaries: list[list[dict]]) -> list[dict]:
+    """The gain band from honest canaries' per-layer rows (a verdict's `layers`, judge()'s "layers": each with
+    "k_gains", "v_gains" per head) -> per layer {"k": [lo per head, hi per head], "v": [...]} (JSON as it is: the
+    calibration file carries it). ValueError when the canaries' layers or heads differ or carry no gains."""
+    if not canaries or not canaries[0]:
+        raise ValueError("no canary's per-head gains: nothing to calibrate a gain band from")
+    if any(len(c) != len(canaries[0]) for c in canaries):
+        raise ValueError("the canaries hold different numbers of layers: the node changed during the calibration")
+    out = []
+    for li in range(len(canaries[0])):
+        band = {}
+        for t in ("k", "v"):
+            try:  # [canary][head]; a canary none of whose KV arrived at this layer (a window all held) has none
+                g = [c[li][f"{t}_gains"] for c in canaries if c[li][f"{t}_gains"]]
+            except KeyError:
+                raise ValueError("the decode node reports no per-head gains: upgrade it") from None
+            if not g or any(len(x) != len(g[0]) for x in g):
+                raise ValueError(f"layer {li}: the canaries hold no gains or different numbers of KV heads there")
+            heads = list(zip(*g))
+            w = [max(GAIN_CALIBRATED * statistics.pstdev(h), GAIN_MIN_WIDTH) for h in heads]
+            band[t] = [[round(min(h) - x, 4) for h, x in zip(heads, w)],
+                       [round(max(h) + x, 4) for h, x in zip(heads, w)]]
+        out.append(band)
+    return out
+
+
+def band_summary(band: list[dict] | None) -> str:
+    """One line for `disagg status` and the calibrate command: the band's shape and range."""
+    if not band:
+        return "no gain band (the class's gain bounds)"
+    los = [x for row in band for t in ("k", "v") for x in row[t][0]]
+    his = [x for row in band for t in ("k", "v") for x in row[t][1]]
+    widths = [h - lo for row in band for t in ("k", "v") for lo, h in zip(*row[t])]
+    return (f"gain band {len(band)} layers x {len(band[0]['k'][0])} KV heads, [{min(los):.3g}, {max(his):.3g}], "
+            f"widths {min(widths):.2g}-{max(widths):.2g}")
 
 
 class FidelityConfig(FidelitySchedule):
@@ -125,6 +171,8 @@ class Verdict:
     # the EAGLE-3 head's KV the prefill node sent, against the head over this node's own prefill: {"layer", "k",
     # "v", "k_tol", "v_tol", "findings"} (worst head's rel. RMS); it never fails the pair. None: no head KV came
     draft: dict | None = None
+    gain_band: bool = False  # its per-head gains were judged by the pair's calibrated band (else its class's)
+    long: bool = False  # the multi-step form (`start_canary_tokens`): what lifts a real-traffic demotion
 
     @property
     def ok(self) -> bool:

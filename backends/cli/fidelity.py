@@ -1,7 +1,8 @@
 """`disagg fidelity calibrate --model M [-n 20] --config F`: a pair's own KV error allowance, measured through the real
 pair (the nodes' canary routes, as `disagg status --recheck` without a gateway runs them): `n` varied canaries, each
-reporting how much rel. RMS past the wire's own it needed; the worst with a margin is written to [fidelity]
-calibration_file with its date and reason, tied to both nodes' KV identities (the gateway uses it while they hold)."""
+reporting how much rel. RMS past the wire's own it needed and each KV head's gain; the worst excess with a margin and
+the heads' gain band are written to [fidelity] calibration_file with its date and reason, tied to both nodes' KV
+identities (the gateway uses them while they hold)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import aiohttp
 from kv_bridge.config.fidelity import FidelityCalibration, write_calibration
 from kv_bridge.config.settings import Settings
 from kv_bridge.config.source import ConfigError
-from kv_bridge.fidelity import Verdict, allowance_class, run_canary
+from kv_bridge.fidelity import Verdict, allowance_class, band_summary, gain_band, run_canary
 
 MARGIN, FLOOR = 1.25, 0.02  # over the worst canary's excess (a new text reads a little differently); the least
 
@@ -23,8 +24,8 @@ MARGIN, FLOOR = 1.25, 0.02  # over the worst canary's excess (a new text reads a
 def add_parser(sub, common) -> None:
     f = sub.add_parser("fidelity", help="the KV fidelity canary's per-pair tools").add_subparsers(dest="action",
                                                                                                 required=True)
-    c = f.add_parser("calibrate", parents=[common], help="measure each pair's own error allowance from varied "
-                     "canaries and write it to [fidelity] calibration_file")
+    c = f.add_parser("calibrate", parents=[common], help="measure each pair's own error allowance and per-head gain "
+                     "band from varied canaries and write them to [fidelity] calibration_file")
     c.add_argument("--model", required=True, help="the model id (its pairs: every prefill x decode node)")
     c.add_argument("-n", "--canaries", type=int, default=20, help="canaries per pair (default 20)")
     c.add_argument("--prefill", help="only this prefill node")
@@ -67,7 +68,7 @@ async def calibrate_pair(http, s: Settings, model: str, p: str, d: str, n: int, 
     purl, durl = s.node(p).url, s.node(d).url
     before = [await _identity(http, u, model, headers) for u in (purl, durl)]
     cls = allowance_class(before[0].get("weights"), before[1].get("weights"))
-    excesses = []
+    excesses, layers = [], []
     for i in range(n):
         v = await run_canary(http, model, (p, purl), (d, durl), headers, s.fidelity.timeout_s,
                              {"calibrate": True, "variant": i, "prefill_weights": before[0].get("weights")})
@@ -78,15 +79,21 @@ async def calibrate_pair(http, s: Settings, model: str, p: str, d: str, n: int, 
         if v.excess is None:
             raise RuntimeError(f"{d} does not report the canary's excess: upgrade it")
         excesses.append(v.excess)
+        layers.append(v.layers)
         say(f"  {p} -> {d} canary {i + 1}/{n}: {v.state}{' (over allowance)' if v.over_allowance else ''}, "
             f"needs {v.excess:.3g} past the wire's own ({v.seconds:.1f}s)")
     after = [await _identity(http, u, model, headers) for u in (purl, durl)]
     if [x["digest"] for x in after] != [x["digest"] for x in before]:
         raise RuntimeError(f"{p} or {d} changed its KV identity during the calibration; run it again")
+    try:
+        band = gain_band(layers)
+    except ValueError as e:
+        raise RuntimeError(f"{p} -> {d}: {e}") from None
     return FidelityCalibration(
         model=model, prefill=p, decode=d, allowance=allowance_of(excesses), weights=cls,
         prefill_kv=before[0]["digest"], decode_kv=before[1]["digest"],
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"), canaries=n, excess_max=max(excesses),
+        gain_band=band,
         reason=f"{n} varied canaries, worst {max(excesses):.3g} past the wire's own, x{MARGIN}; weights "
                f"{before[0].get('quantization')} -> {before[1].get('quantization')} (class {cls})")
 
@@ -110,7 +117,7 @@ async def calibrate(s: Settings, model: str, n: int, prefill: str | None = None,
                 cal.reason += f"; {reason}"
             write_calibration(path, cal)
             say(f"{route.id} {p} -> {d}: allowance {cal.allowance:g} (class {cal.weights}: its own rel. RMS "
-                f"allowance past the wire's) written to {path}")
+                f"allowance past the wire's) and {band_summary(cal.gain_band)} written to {path}")
             out.append(cal)
     return out
 

@@ -240,7 +240,8 @@ def render(result: dict, color: bool = False) -> str:
             figs, life = v.state != "error" and v.error is not None, _lifecycle(v)  # real traffic: no figure
             state = v.state.upper() if v.state == "failed" else v.state
             state += " (over allowance)" if v.over_allowance else ""  # flagged: its WARN names the calibrate command
-            note = "; ".join(n for n in (v.message, life.note()) if n) or "-"
+            parts = (life.note(), v.message) if life.hold else (v.message, life.note())  # why first, when held
+            note = "; ".join(n for n in parts if n) or "-"
             rows.append((v.model, f"{v.prefill} -> {v.decode}", state + (" (stale)" if life.stale else ""),
                          f"{v.tensor} layer {v.layer}" if figs else "-", f"{v.error:.2g}" if figs else "-",
                          f"{v.tolerance:g}" if figs else "-", v.greedy or "-",

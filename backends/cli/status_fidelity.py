@@ -48,7 +48,8 @@ def operator_key(s: Settings, flag: str | None = None) -> ClientKey:
 @dataclass
 class Lifecycle:
     """What the gateway adds to a pair's verdict (gateway/cluster/fidelity.py): whether its routing uses the pair,
-    whether the verdict is stale (the last try could not run, or a node is down) and how old, and an override."""
+    whether the verdict is stale (the last try could not run, or a node is down) and how old, an override, a
+    real-traffic demotion's hold and the pair's calibration."""
 
     usable: bool | None = None
     stale: bool = False
@@ -56,6 +57,8 @@ class Lifecycle:
     errors: int = 0
     last_error: str | None = None
     override: dict | None = None  # {"usable", "reason"}
+    hold: dict | None = None  # a real-traffic demotion: {"count", "finding", "hold_s", "left_s", "until", ...}
+    calibration: dict | None = None  # {"allowance", "date", "reason", "gain_band"}
 
     @classmethod
     def from_row(cls, row: dict) -> "Lifecycle":
@@ -69,6 +72,14 @@ class Lifecycle:
             out.append(f"stale{age}: {self.last_error or 'a node is down'}")
         if self.override is not None:
             out.append(f"override ({'used' if self.override['usable'] else 'not used'}): {self.override['reason']}")
+        if self.hold is not None:
+            h, nth = self.hold, "" if self.hold["count"] < 2 else f" ({self.hold['count']} in a row)"
+            when = f"held until {h['until']} ({_ago(h['left_s'])})" if h["left_s"] > 0 else "hold over"
+            out.append(f"demoted by real traffic{nth}, {when}: a long canary, --recheck or calibrate lifts it")
+        if self.calibration is not None:
+            c = self.calibration
+            out.append(f"calibrated {c['date'][:10]}: allowance {c['allowance']:g}, "
+                       f"{c.get('gain_band') or 'no gain band'}")
         return "; ".join(out)
 
 

@@ -70,13 +70,14 @@ def canary_length(m, canary_tokens: int) -> int:
 
 
 def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str = "full",
-        allowance: float | None = None, measure: bool = False):
+        allowance: float | None = None, measure: bool = False, band: list[dict] | None = None):
     """MLX thread, one step at a time (MLXModel.run_task): the canary's comparison and greedy tokens -> dict.
     prefix > 0: the bridged cache is MLX's own prefill of the first `prefix` tokens (a held prefix) with the
     received KV appended, as a request that reuses a prefix is built. Each prefill is one forward (a few steps in
     all: a busy batch cannot stretch it). `weights`: the pair's allowance class; greedy tokens only where it is
     "full" (with different weights they measure the weights, not the KV). `allowance` (a pair's calibrated one) or
-    `measure`: also what this canary's error magnitude needs (canary_allowance.measure)."""
+    `measure`: also what this canary's error magnitude needs (canary_allowance.measure). `band`: the pair's
+    calibrated gain band (per layer {"k", "v"}: [lo per head, hi per head])."""
     from kv_bridge.mlx import fidelity
     from kv_bridge.mlx.cache import append_kv, build_prompt_cache, quantize
 
@@ -90,8 +91,8 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
     finally:
         kv.release()
     reference = yield from fidelity.prefill(m.model, ids[:-1], chunk=len(ids))
-    out = {**fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix), "weights": weights,
-           "greedy": None, "kl": None, "allowance": allowance}
+    out = {**fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix, band=band),
+           "weights": weights, "greedy": None, "kl": None, "allowance": allowance, "gain_band": band is not None}
     if head_kv is not None:  # the head's layer, judged as one more layer; a wrong one costs drafts, not answers
         yield
         out["draft"] = _judge_head(m, ids, head_kv, wire, weights, len(bridged))
@@ -160,12 +161,28 @@ def verdict(model: str, node: str, kv_dtype: str, wire: str, tokens: int, out: d
                    worst.get("tolerance"), wire, kv_dtype, tokens, out["greedy"], out["seconds"], msg, out["layers"],
                    out["kl"], head=worst.get("head"), metric=worst.get("metric"), weights=weights,
                    findings=findings[:8], over_allowance=over, allowance=allowance, excess=out.get("excess"),
-                   draft=out.get("draft"))
+                   gain_band=bool(out.get("gain_band")), draft=out.get("draft"))
+
+
+def _band(band) -> list[dict] | None:
+    """A calibrated `gain_band` as the calibration file holds it (kv_bridge.fidelity.gain_band), checked for its
+    form; its shape against the model's KV is checked by the judge."""
+    def heads(x) -> bool:
+        return (isinstance(x, list) and len(x) == 2 and isinstance(x[0], list) and len(x[0]) == len(x[1])
+                and all(isinstance(g, (int, float)) and not isinstance(g, bool) for g in x[0] + x[1]))
+    if band is None:
+        return None
+    if not (isinstance(band, list) and band and all(isinstance(r, dict) and heads(r.get("k")) and heads(r.get("v"))
+                                                    for r in band)):
+        raise bad_request("gain_band must be a list per layer of {\"k\": [[lo per head], [hi per head]], \"v\": "
+                          "[...]} (`disagg fidelity calibrate` writes it)")
+    return band
 
 
 def _options(body: dict, m) -> dict:
     """/v1/fidelity/expect's optional fields, checked: the pair's allowance class (from the prefill side's
-    `prefill_weights` and this model's own), a calibrated `allowance`, `calibrate` (measure the excess), `variant`."""
+    `prefill_weights` and this model's own), a calibrated `allowance` and `gain_band`, `calibrate` (measure the
+    excess), `variant`."""
     pw = body.get("prefill_weights")
     if pw is not None and not (isinstance(pw, dict) and isinstance(pw.get("scheme"), str)):
         raise bad_request(f"prefill_weights must be {{\"scheme\": str, \"bits\": int | null}}, got {pw!r}")
@@ -177,7 +194,7 @@ def _options(body: dict, m) -> dict:
     if not isinstance(variant, int) or isinstance(variant, bool) or variant < 0:
         raise bad_request(f"variant must be a non-negative integer, got {variant!r}")
     return {"weights": allowance_class(pw, weight_precision(m.path)), "allowance": allowance,
-            "measure": bool(body.get("calibrate", False)), "variant": variant}
+            "measure": bool(body.get("calibrate", False)), "variant": variant, "band": _band(body.get("gain_band"))}
 
 
 async def _heartbeat(resp: web.StreamResponse, work: asyncio.Future) -> dict:
@@ -192,7 +209,7 @@ async def _heartbeat(resp: web.StreamResponse, work: asyncio.Future) -> dict:
 
 def register(app: web.Application, svc) -> None:
     """Canary routes on a decode node; `svc` is the DecodeService (models, receiver, settings, node)."""
-    pending: dict[str, tuple] = {}  # transfer id -> (model, canary ids, prefix, options)
+    pending: dict[str, tuple] = {}  # transfer id -> (model, canary ids, prefix, options, long form)
     lengths: dict[str, int] = {}
     rounds = CanaryPlan()
 
@@ -210,8 +227,8 @@ def register(app: web.Application, svc) -> None:
         cfg, opts = svc.settings.fidelity, _options(body, m)
         want = lengths.setdefault(m.model_id, canary_length(m, cfg.canary_tokens))
         longest = next((r.max_model_len for r in svc.settings.models if r.id == m.model_id), None) or 1 << 30
-        plan = rounds.next(m.model_id, str(body.get("prefill") or ""), want,
-                           min(cfg.start_canary_tokens, longest // 2), cfg.prefix_tokens)  # canary_plan.py
+        plan = rounds.next(m.model_id, str(body.get("prefill") or ""), want,  # canary_plan.py
+                           min(cfg.start_canary_tokens, longest // 2), cfg.prefix_tokens, body.get("long") is True)
         ids = await asyncio.get_running_loop().run_in_executor(None, canary_ids, m, plan.tokens, opts.pop("variant"),
                                                                plan.nonce)
         prefix = body.get("prefix_tokens", plan.prefix)
@@ -221,13 +238,13 @@ def register(app: web.Application, svc) -> None:
         tid = CANARY_PREFIX + uuid.uuid4().hex
         # Held as a request's is, but never refused for capacity: a busy Mac's pair must still be checked.
         svc.receiver.expect(tid, len(ids) - 1, m.spec, prefix, m.kv_dtype, exempt=True)
-        pending[tid] = (m, ids, prefix, opts)
+        pending[tid] = (m, ids, prefix, opts, plan.long)
         # A caller that never asks for the result must not leave the reservation behind.
         asyncio.get_running_loop().call_later(cfg.timeout_s + 60, _drop, tid)
         return web.json_response({"transfer_id": tid, "token_ids": ids[:-1], "kv_target": svc.node.kv_target,
                                   "kv_start": prefix, "next_token": ids[-1]})
 
-    async def compared(m, ids: list[int], prefix: int, opts: dict, t, timeout: float) -> dict:
+    async def compared(m, ids: list[int], prefix: int, opts: dict, long: bool, t, timeout: float) -> dict:
         """The verdict's JSON: the KV's arrival within `timeout`, then the comparison on the MLX thread, whose own
         run (from its first step, not its wait in the inbox) is bounded by `timeout` too."""
         def error(message: str) -> dict:
@@ -255,7 +272,7 @@ def register(app: web.Application, svc) -> None:
         except Exception as e:  # the comparison itself broke (logged by the MLX loop): the canary did not run
             return error(f"comparison failed: {type(e).__name__}: {e}")
         v = verdict(m.model_id, svc.node.name, m.kv_dtype, kv.wire_dtype, len(ids) - 1, out)
-        v.prefix = prefix
+        v.prefix, v.long = prefix, long
         log.log(logging.WARNING if v.over_allowance else logging.INFO, "KV fidelity of %s: %s (wire %s, KV %s, "
                 "weights %s)", m.model_id, v.summary(), kv.wire_dtype, v.kv_dtype, v.weights)
         return v.to_json()

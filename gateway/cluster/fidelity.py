@@ -5,9 +5,10 @@ and no verdict applies to them (first, or one of them restarted or changed what 
 and kv_identity), again after a failure (backoff), every `recheck_s` and on demand (POST /fidelity). While
 `[fidelity] required`, only a pair verified on the nodes as they are now (or vouched for by `[[fidelity.override]]`)
 takes the model's disaggregated path; a verified pair whose node restarted with the same KV identity (same digest)
-carries KV provisionally until its re-check says otherwise. A pair's calibrated allowance (`disagg fidelity
-calibrate`) rides on its canaries while both identities are the ones it was measured on. Seen in /health, the
-disagg_kv_fidelity* gauges and the WARN/ERROR lines.
+carries KV provisionally until its re-check says otherwise. A pair's calibrated allowance and gain band (`disagg
+fidelity calibrate`) ride on its canaries while both identities are the ones it was measured on. A pair real traffic
+demoted (a request's KV failed the decode node's layer-0 check) is held (gateway/cluster/fidelity_state.py). Seen in
+/health, the disagg_kv_fidelity* gauges and the WARN/ERROR lines.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
-from kv_bridge.config.fidelity import FidelityCalibration, read_calibrations
 from kv_bridge.config.settings import Settings
 from kv_bridge.fidelity import Verdict, run_canary
 
+from gateway.cluster.fidelity_state import Calibrations, TrafficHold, ago, describe_changes
 from gateway.cluster.nodes import NodePool
 from gateway.metrics import Metrics
 
@@ -47,15 +48,11 @@ class _PairState:
     seen: Identity | None = None  # the nodes as the last tick saw them (to log a change once)
     seen_fields: dict | None = None
     forced: float | None = None  # monotonic: when an operator last forced its canary (POST /fidelity)
+    hold: TrafficHold = field(default_factory=TrafficHold)  # a real-traffic demotion (fidelity_state.py)
 
 
 def _backoff(base: float, n: int, cap: float) -> float:
     return min(cap, base * 2 ** max(0, n - 1))
-
-
-def _ago(seconds: float) -> str:
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}min" if seconds < 7200 else \
-        f"{seconds / 3600:.1f}h"
 
 
 class Fidelity:
@@ -74,8 +71,7 @@ class Fidelity:
                             "canary says, because: %s", *pair, "always used" if ov.usable else "never used",
                             ov.reason)
         metrics.refreshers.append(self._refresh)
-        self._calibrations: list[FidelityCalibration] = []
-        self._calibrations_seen: float | None = None  # the file's mtime when read (re-read when it moves)
+        self.calibrations = Calibrations(self.cfg)
 
     # ---- what routing and operators read ----
 
@@ -156,19 +152,21 @@ class Fidelity:
                    "age_s": None if v is None else round(now - st.at, 1),
                    "stale": v is not None and (st.error is not None or not self._both_up(pair)),
                    "override": None if ov is None else {"usable": ov.usable, "reason": ov.reason},
-                   "calibration": self._calibration_row(pair)}
+                   "calibration": Calibrations.row(self._calibration(pair)), "hold": st.hold.row(now),
+                   "demoted_by": self._demoted_by(pair)}
             nxt = self._next_check(pair, now)
             row["next_check_s"] = None if nxt is None or not self.cfg.enabled else round(nxt, 1)
             if st.verdict is not None and v is None:
                 row["reverify"] = self._changes(st.identity, self._identity(pair), pair, st.fields)
             if v is not None:
                 row.update({k: x for k, x in v.to_json().items() if k not in ("layers", "state")})
-                row["summary"] = v.summary() + self._stale_note(pair, row)
+                row["summary"] = v.summary() + self._stale_note(pair, row) + (
+                    f"; {st.hold.note(now)}" if st.hold.active else "")
             elif st.error is not None:
                 row["summary"] = st.error.summary()
             if row["state"] == "provisional":
                 row["summary"] = (f"provisional: {row['reverify']}; carries KV on its verdict of "
-                                  f"{_ago(now - st.at)} ago ({st.verdict.summary()}) until its re-check")
+                                  f"{ago(now - st.at)} ago ({st.verdict.summary()}) until its re-check")
             out.append(row)
         return out
 
@@ -177,7 +175,7 @@ class Fidelity:
             return ""
         why = (self.pairs[pair].error.message if self.pairs[pair].error is not None
                else "a node is down")
-        return f" [stale: measured {_ago(row['age_s'])} ago; since then {why}]"
+        return f" [stale: measured {ago(row['age_s'])} ago; since then {why}]"
 
     def _refresh(self, metrics: Metrics) -> None:
         """Just before a scrape: the gauges from the live state (a node's restart moves them without an event)."""
@@ -187,60 +185,41 @@ class Fidelity:
             metrics.fidelity_errors.labels(*pair).set(st.errors)
             metrics.fidelity_usable.labels(*pair).set(1 if self.usable(*pair) else 0)
             metrics.fidelity_age.labels(*pair).set(-1 if self._current(pair) is None else now - st.at)
+            metrics.fidelity_hold.labels(*pair).set(st.hold.left(now))
+            by = self._demoted_by(pair)
+            for why in ("traffic", "canary"):
+                metrics.fidelity_demoted.labels(*pair, why).set(1 if by == why else 0)
+
+    def _demoted_by(self, pair: Pair) -> str | None:
+        """Why a pair carries no KV on its verdict: "traffic" (held after real traffic failed it), "canary" (a
+        failed canary), or None."""
+        if self.pairs[pair].hold.active:
+            return "traffic"
+        v = self._current(pair)
+        return "canary" if v is not None and not v.ok else None
 
     # ---- calibration (`disagg fidelity calibrate`) and what the canary is told ----
 
-    def _calibration(self, pair: Pair) -> FidelityCalibration | None:
-        """The pair's calibrated allowance, if it was measured on both nodes' KV identities as they are now."""
-        path = self.cfg.calibration_path()
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            mtime = None
-        if mtime != self._calibrations_seen:  # written by `disagg fidelity calibrate` while the gateway runs
-            try:
-                self._calibrations = read_calibrations(path)
-            except ValueError as e:
-                log.error("KV fidelity calibrations not used: %s", e)
-                self._calibrations = []
-            self._calibrations_seen = mtime
-        digests = [kv for _, kv in self._identity(pair)]
-        return next((c for c in self._calibrations if (c.model, c.prefill, c.decode) == pair
-                     and c.applies(*digests)), None)
+    def _calibration(self, pair: Pair):
+        """The pair's calibration, if it was measured on both nodes' KV identities as they are now."""
+        return self.calibrations.get(pair, self._digests(pair))
 
-    def _calibration_row(self, pair: Pair) -> dict | None:
-        c = self._calibration(pair)
-        return None if c is None else {"allowance": c.allowance, "date": c.date, "reason": c.reason}
+    def _digests(self, pair: Pair) -> list:
+        return [kv for _, kv in self._identity(pair)]
 
     def _expect(self, pair: Pair) -> dict:
         """What the decode node's /v1/fidelity/expect is told: the prefill side's weights (the allowance class is
-        the pair's) and the pair's calibrated allowance."""
+        the pair's), the pair's calibrated allowance and gain band."""
         weights = (self.pool.nodes[pair[1]].kv_identity.get(pair[0]) or {}).get("weights")
         cal = self._calibration(pair)
-        return {k: x for k, x in (("prefill_weights", weights), ("allowance", cal and cal.allowance)) if x is not None}
+        return {k: x for k, x in (("prefill_weights", weights), ("allowance", cal and cal.allowance),
+                                  ("gain_band", cal and cal.gain_band),
+                                  ("long", True if self.pairs[pair].hold.active else None)) if x is not None}
 
     # ---- running the canary ----
 
     def _changes(self, was: Identity | None, now: Identity, pair: Pair, fields: dict | None = None) -> str:
-        """What differs between two identities of a pair's nodes, in words; `fields`: the nodes' kv_identity fields
-        as they were then (each changed field is named)."""
-        if was is None:
-            return "not measured yet"
-        out = []
-        for name, (boot0, kv0), (boot1, kv1) in zip(pair[1:], was, now):
-            new, old = self.pool.nodes[name].kv_identity.get(pair[0]) or {}, (fields or {}).get(name) or {}
-            diff = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
-                             if k != "digest" and old.get(k) != new.get(k))
-            if kv0 != kv1 and not diff:
-                diff = f"digest {kv0} -> {kv1}"
-            what = f"; its KV configuration changed: {diff}" if diff else ""
-            if boot0 != boot1:
-                out.append(f"{name} came back up (it reports no boot id: taken as another process{what})"
-                           if boot1.startswith("up#") else
-                           f"{name} restarted (boot id {boot0[:8]} -> {boot1[:8]}{what})")
-            elif diff:
-                out.append(f"{name}'s KV configuration changed ({diff})")
-        return "; ".join(out) or "unchanged"
+        return describe_changes(was, now, pair, {n: self.pool.nodes[n].kv_identity for n in pair[1:]}, fields)
 
     def _due(self, pair: Pair, now: float) -> bool:
         st = self.pairs[pair]
@@ -252,16 +231,24 @@ class Fidelity:
                         self._changes(st.seen, ident, pair, st.seen_fields), then)
             st.retry_at, st.failures = 0.0, 0  # a new node is not behind the old one's backoff
         st.seen, st.seen_fields = ident, self._fields(pair)
-        if st.task is not None or not self._both_up(pair) or now < st.retry_at:
+        self._hold_lifted(pair, now)
+        if st.task is not None or not self._both_up(pair) or now < max(st.retry_at, st.hold.until):
             return False
         v = self._current(pair)
         if v is None or not v.ok:
             return True  # never verified here, or failed and its backoff is over
         return self.cfg.recheck_s > 0 and now - st.at >= self.cfg.recheck_s
 
-    def _start(self, session: aiohttp.ClientSession, pair: Pair) -> asyncio.Task:
+    def _hold_lifted(self, pair: Pair, now: float) -> None:
+        """A real-traffic hold ends without a long canary when either node's KV identity changed (an upgrade, a
+        fix) or an operator calibrated the pair after the demotion."""
+        hold = self.pairs[pair].hold
+        if hold.active and hold.lifted(pair, tuple(self._digests(pair)), self._calibration(pair)):
+            self.pairs[pair].retry_at = 0.0
+
+    def _start(self, session: aiohttp.ClientSession, pair: Pair, forced: bool = False) -> asyncio.Task:
         st = self.pairs[pair]
-        st.task = asyncio.create_task(self._check(session, pair), name=f"fidelity-{'-'.join(pair)}")
+        st.task = asyncio.create_task(self._check(session, pair, forced), name=f"fidelity-{'-'.join(pair)}")
         return st.task
 
     def tick(self, session: aiohttp.ClientSession) -> None:
@@ -274,7 +261,7 @@ class Fidelity:
             if self._due(pair, now):
                 self._start(session, pair)
 
-    async def _check(self, session: aiohttp.ClientSession, pair: Pair) -> Verdict:
+    async def _check(self, session: aiohttp.ClientSession, pair: Pair, forced: bool = False) -> Verdict:
         model, p, d = pair
         nodes, started, fields = self.pool.nodes, self._identity(pair), self._fields(pair)
         try:
@@ -282,11 +269,13 @@ class Fidelity:
                                  self._expect(pair))
         finally:
             self.pairs[pair].task = None
-        self._record(pair, v, started, fields)
+        self._record(pair, v, started, fields, forced)
         return v
 
-    def _record(self, pair: Pair, v: Verdict, started: Identity, fields: dict | None = None) -> None:
-        """Only a completed comparison on the nodes as they still are moves the verdict; an error is counted."""
+    def _record(self, pair: Pair, v: Verdict, started: Identity, fields: dict | None = None,
+                forced: bool = False) -> None:
+        """Only a completed comparison on the nodes as they still are moves the verdict; an error is counted. A
+        pair real traffic demoted is re-promoted only by a canary of the long form or one an operator forced."""
         st, now = self.pairs[pair], time.monotonic()
         if v.state == "error":
             st.error, st.errors = v, st.errors + 1
@@ -296,6 +285,9 @@ class Fidelity:
         if started != self._identity(pair):  # a node changed under the canary: its figure is the old node's
             log.info("KV fidelity of %s on %s -> %s: a node changed while the canary ran (%s); it runs again",
                      *pair, self._changes(started, self._identity(pair), pair, fields))
+            return
+        if v.ok and st.hold.active and not st.hold.verified(pair, v.long, forced, now):
+            st.retry_at = now + max(self.cfg.traffic_hold_s, st.hold.left(now))  # short canaries: not each tick
             return
         was, provisional = self._current(pair), self._provisional(pair)
         st.verdict, st.at, st.identity, st.fields, st.error, st.errors = v, now, started, fields, None, 0
@@ -314,18 +306,27 @@ class Fidelity:
         cause = v.summary().removeprefix("failed: ").removeprefix("worst ")
         log.log(level, "KV fidelity of %s on %s -> %s FAILED%s: %s (wire %s, KV %s); %s; checked again in %s",
                 *pair, " (demoted: it carried KV provisionally after a restart)" if provisional else "", cause,
-                v.wire_dtype, v.kv_dtype, self._consequence(pair), _ago(wait))
+                v.wire_dtype, v.kv_dtype, self._consequence(pair), ago(wait))
 
     def demote(self, model: str, prefill: str, decode: str, finding: str) -> None:
         """A real request's KV failed the decode node's layer-0 check (its done line's kv_check): the pair is failed
-        now, as a failed canary would leave it (the canary, after the backoff, may verify it again: a fault only
-        long prompts reach then fails the next long request again, each answered by a local prefill)."""
+        now and held (fidelity_state.py): no canary for `traffic_hold_s` (doubling with each such demotion), then
+        only one of the long form re-promotes it (the short canary cannot reach a fault only long prompts hit)."""
         pair = (model, prefill, decode)
         if pair not in self.pairs:
             return
-        v = Verdict(model, prefill, decode, "failed", metric="real-traffic position error",
-                    message=f"a request's KV failed the decode node's layer-0 check: {finding}")
-        self._record(pair, v, self._identity(pair), self._fields(pair))
+        st, now = self.pairs[pair], time.monotonic()
+        hold = st.hold.demote(self.cfg, tuple(self._digests(pair)), finding, now)
+        if hold is None:  # a request in flight before the demotion: its finding is shown, the hold stands
+            log.info("KV fidelity of %s on %s -> %s: another request's KV failed the layer-0 check: %s", *pair, finding)
+            return
+        st.verdict = Verdict(model, prefill, decode, "failed", metric="real-traffic position error",
+                             message=f"a request's KV failed the decode node's layer-0 check: {finding}")
+        st.at, st.identity, st.fields, st.error, st.errors = now, self._identity(pair), self._fields(pair), None, 0
+        st.retry_at = st.hold.until
+        self.metrics.fidelity_error.labels(*pair).set(-1)
+        log.warning("KV fidelity of %s on %s -> %s FAILED on real traffic: %s; %s; %s", *pair, finding,
+                    self._consequence(pair), st.hold.note(now))
 
     def _consequence(self, pair: Pair) -> str:
         ov = self.cfg.override_for(*pair)
@@ -343,13 +344,13 @@ class Fidelity:
     def _log_error(self, pair: Pair, v: Verdict) -> None:
         st = self.pairs[pair]
         cur = self._current(pair)
-        keeps = "" if cur is None else f"it keeps its verdict ({cur.state}, measured {_ago(time.monotonic() - st.at)}" \
+        keeps = "" if cur is None else f"it keeps its verdict ({cur.state}, measured {ago(time.monotonic() - st.at)}" \
                                        f" ago, now stale); "
         alert = st.errors >= self.cfg.alert_after_errors
         log.log(logging.ERROR if alert else logging.WARNING,
                 "KV fidelity of %s on %s -> %s could not be checked (%d in a row%s): %s; %s%s; tried again in %s",
                 *pair, st.errors, f", alert after {self.cfg.alert_after_errors}" if alert else "", v.message, keeps,
-                self._consequence(pair), _ago(st.retry_at - time.monotonic()))
+                self._consequence(pair), ago(st.retry_at - time.monotonic()))
 
     def recheck_wait(self, model: str | None = None) -> float:
         """Seconds until an operator may force the canary of every up pair (of `model`) again: `recheck_min_s` after
@@ -369,7 +370,7 @@ class Fidelity:
             if (model is None or pair[0] == model) and self._both_up(pair):
                 if st.task is None:
                     st.forced = time.monotonic()
-                task = st.task or self._start(session, pair)  # one already running answers for this pair
+                task = st.task or self._start(session, pair, forced=True)  # one running answers for this pair
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(task)
         return [row for row in self.snapshot() if model is None or row["model"] == model]

@@ -1,7 +1,8 @@
 """`[fidelity]`'s schedule, `[[fidelity.override]]` and the calibration file: when the gateway runs the KV canary
-again (a failed pair's backoff, the periodic re-check, an operator's at most every `recheck_min_s`), when repeated
-errors alert, a pair an operator vouches for (or rules out) with a stated reason, and a pair's own measured error
-allowance. kv_bridge/fidelity.py's FidelityConfig (the canary itself) builds on this."""
+again (a failed pair's backoff, a real-traffic demotion's hold, the periodic re-check, an operator's at most every
+`recheck_min_s`), when repeated errors alert, a pair an operator vouches for (or rules out) with a stated reason, and
+a pair's own measured error allowance and gain band. kv_bridge/fidelity.py's FidelityConfig (the canary itself)
+builds on this."""
 
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ class FidelitySchedule(BaseModel):
     recheck_min_s: float = Field(default=60.0, ge=0, description="an operator's POST /fidelity (or `disagg status "
                                  "--recheck`) runs a pair's canary at most this often; within it: 429 with "
                                  "Retry-After")
+    traffic_hold_s: float = Field(default=600.0, gt=0, description="a pair a real request's KV failed the decode "
+                                  "node's layer-0 check on (traffic_check) stays demoted at least this long, then until "
+                                  "a canary of the long form (start_canary_tokens) verifies it; twice as long each "
+                                  "time real traffic demotes it again, up to traffic_hold_max_s; an operator's "
+                                  "`disagg status --recheck` or `disagg fidelity calibrate` lifts it sooner")
+    traffic_hold_max_s: float = Field(default=7200.0, gt=0, description="the longest real-traffic hold; a pair "
+                                      "this long past its hold without another failure starts again at "
+                                      "traffic_hold_s")
     calibration_file: Path = Field(default=Path(".disagg/fidelity-calibration.json"), description="where `disagg fidelity "
                                    "calibrate` writes each pair's own allowance and the gateway reads it; relative "
                                    "to the config file's folder")
@@ -66,7 +75,7 @@ class FidelitySchedule(BaseModel):
 
 
 class FidelityCalibration(BaseModel):
-    """One pair's own error allowance, measured by `disagg fidelity calibrate` (backends/cli/fidelity.py) on the
+    """One pair's own error allowance and per-head gain band, measured by `disagg fidelity calibrate` (backends/cli/fidelity.py) on the
     nodes as they were: it applies only while both nodes' KV identities (their /health kv_identity digests) are the
     ones it was measured on, so an upgrade or a new KV setting on either side sends the pair back to its class's."""
 
@@ -81,6 +90,10 @@ class FidelityCalibration(BaseModel):
     reason: str = Field(description="how: the canaries run and the worst excess they read")
     canaries: int = Field(default=0, ge=0)
     excess_max: float = Field(default=0.0, ge=0, description="the worst canary's rel. RMS past the wire's own")
+    gain_band: list[dict[str, list[list[float]]]] | None = Field(
+        default=None, description="per layer {\"k\", \"v\"}: [lo per KV head, hi per KV head], the heads' honest gains "
+        "over the canaries widened (kv_bridge/fidelity.py gain_band); the canary judges each head's gain by it, "
+        "within the class's bounds. None: the class's bounds alone (a calibration from before the band)")
 
     def applies(self, prefill_kv: str | None, decode_kv: str | None) -> bool:
         return (self.prefill_kv, self.decode_kv) == (prefill_kv, decode_kv)

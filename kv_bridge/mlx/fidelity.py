@@ -85,14 +85,15 @@ def rope_shift(model):
 
 
 def compare(bridged: list, reference: list, wire: str = "float32", weights: str = "full", chunk: int | None = None,
-            model=None, start: int = 0) -> dict:
+            model=None, start: int = 0, band: list[dict] | None = None) -> dict:
     """The canary's figures (kv_bridge/mlx/fidelity_metric.py): {"layers", "findings", "worst"} over the positions
     both caches hold; `wire` the wire dtype, `weights` the decode model's weight precision, `chunk` the prefill
-    step's tokens (one fp8 scale each), `model` for its RoPE (the positions test), `start` the held prefix."""
+    step's tokens (one fp8 scale each), `model` for its RoPE (the positions test), `start` the held prefix, `band`
+    the pair's calibrated gain band."""
     from kv_bridge.mlx.fidelity_metric import judge
 
     got, ref = held_pairs(bridged, reference)
-    return judge(got, ref, wire, weights, chunk, rope_shift(model) if model is not None else None, start)
+    return judge(got, ref, wire, weights, chunk, rope_shift(model) if model is not None else None, start, band)
 
 
 def weights_of(path) -> str:

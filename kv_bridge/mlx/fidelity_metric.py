@@ -20,7 +20,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from kv_bridge import dtypes
+from kv_bridge import dtypes, fidelity
 
 # Allowance for the two sides computing with different weights / kernels, by the decode model's weight precision,
 # added to the wire's measured floor: (relative RMS per head, first-layer error per position). Measured by
@@ -124,45 +124,43 @@ def arrived(layers: list[dict], start: int) -> list[dict]:
     return out
 
 
-# Gain per KV head (issue #50: one head of four x1.2 read ~1.05 per layer). Its lower bound comes from the pair's
-# calibrated spread (`gain_band`, from honest canaries of the pair) or else the weights' allowance: never from the
-# judged layer's own error, which a fault widens (V x0.88 passed at an honest error of 0.3).
-# A calibrated band: each head's honest gains, widened by this many standard deviations and at least GAIN_MIN_WIDTH
-# (3 and 0.02, then 5 and 0.03, failed 1 of 5 held-out SmolLM2 4-bit canaries: 180 heads a canary, 5 to calibrate).
-GAIN_CALIBRATED = 5.0
-GAIN_MIN_WIDTH = 0.06
+# Gain per KV head (issue #50: one head of four x1.2 read ~1.05 per layer). Its bounds come from the pair's calibrated
+# band (kv_bridge/fidelity.py's gain_band, from honest canaries of the pair, written by `disagg fidelity calibrate`)
+# within the weights' allowance, or from that allowance alone: never from the judged layer's own error, which a fault
+# widens (V x0.88 passed at an honest error of 0.3).
 # Positions on every layer: faults come in blocks (a block, a step, a window), noise does not. A run of at least
 # POS_RUN positions each past POS_FACTOR x the layer's own median error (+ the wire's own, + POS_ABS) is misplaced.
 POS_FACTOR, POS_RUN, POS_ABS = 4.0, 4, 0.05
 
 
 def gain_band(honest: list[dict]) -> list[dict]:
-    """The pair's calibrated gain band from judge() results of honest canaries: per layer {"k", "v"}: (lo, hi) arrays
-    over heads, each head's gains widened by GAIN_CALIBRATED standard deviations (at least GAIN_MIN_WIDTH)."""
-    out = []
-    for li in range(len(honest[0]["layers"])):
-        band = {}
-        for t in TENSORS:
-            g = np.array([j["layers"][li][f"{t}_gains"] for j in honest])  # (canaries, heads)
-            w = np.maximum(GAIN_CALIBRATED * g.std(axis=0), GAIN_MIN_WIDTH)
-            band[t] = (g.min(axis=0) - w, g.max(axis=0) + w)
-        out.append(band)
-    return out
+    """The pair's calibrated gain band from judge() results of honest canaries (kv_bridge.fidelity.gain_band)."""
+    return fidelity.gain_band([j["layers"] for j in honest])
 
 
-def _gain_findings(li: int, t: str, gains: np.ndarray, band: tuple | None, a_rel: float, gtol: float) -> list:
-    """Heads whose gain lies outside the pair's calibrated band, or without one [1 / (1 + a_rel^2), 1] +- gtol. A
-    calibrated band tightens the lower bound only: honest noise never lifts a gain past 1 + gtol (a held-out SmolLM2
-    4-bit canary's K head read 1.012 over a calibrated 1.001), so the upper bound stays the class's."""
-    lo, hi = band if band is not None else (np.full(gains.shape, 1 / (1 + a_rel ** 2) - gtol),
-                                            np.full(gains.shape, 1 + gtol))
-    hi = np.maximum(hi, 1 + gtol)
+def _gain_findings(li: int, t: str, gains: np.ndarray, band: list | None, a_rel: float, gtol: float) -> list:
+    """Heads whose gain lies outside [1 / (1 + a_rel^2), 1] +- gtol (the weights' allowance: "|gain - 1|"), or
+    outside the pair's calibrated band ([lo per head, hi per head]) within it ("|gain - band mid|", its half-width
+    the tolerance): a band tightens both bounds, never loosens them (4-bit SmolLM2's V heads read 0.77-0.99: one of
+    them x1.2 stays under the class's 1 + gtol, not under its own band)."""
+    c_lo, c_hi = 1 / (1 + a_rel ** 2) - gtol, 1 + gtol
+    lo, hi = np.full(gains.shape, c_lo), np.full(gains.shape, c_hi)
+    if band is not None:
+        b_lo, b_hi = (np.asarray(x, dtype=np.float64) for x in band)
+        if b_lo.shape != gains.shape or b_hi.shape != gains.shape:
+            raise ValueError(f"the pair's calibrated gain band has {b_lo.size} {t.upper()} heads at layer {li}, the "
+                             f"KV {gains.size}: run `disagg fidelity calibrate` again")
+        lo, hi = np.maximum(lo, b_lo), np.minimum(hi, b_hi)
     out = []
     for h in np.flatnonzero((gains < lo) | (gains > hi)):
-        g = float(gains[h])
-        out.append({"metric": "|gain - 1|", "tensor": t.upper(), "layer": li, "head": int(h), "value": abs(g - 1),
-                    "tolerance": float(hi[h] - 1 if g > 1 else 1 - lo[h]),
-                    "what": f"{t.upper()} head {h} scaled by {g:.3g}"})
+        g, what = float(gains[h]), f"{t.upper()} head {h} scaled by {gains[h]:.3g}"
+        if band is None or not c_lo <= g <= c_hi:
+            out.append({"metric": "|gain - 1|", "tensor": t.upper(), "layer": li, "head": int(h), "value": abs(g - 1),
+                        "tolerance": float(c_hi - 1 if g > 1 else 1 - c_lo), "what": what})
+        else:
+            out.append({"metric": "|gain - band mid|", "tensor": t.upper(), "layer": li, "head": int(h),
+                        "value": abs(g - (lo[h] + hi[h]) / 2), "tolerance": float(hi[h] - lo[h]) / 2,
+                        "what": f"{what}, outside the pair's calibrated band {lo[h]:.3g}-{hi[h]:.3g}"})
     return out
 
 
@@ -195,9 +193,13 @@ def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, c
     where a finding is {"metric", "tensor", "layer", "head", "value", "tolerance", "what"}; "worst" is the first
     failing one, or the head nearest its tolerance when none fails. `start`: positions before it were held by the
     decode node (a reused prefix), the placement and per-layer position tests look at the ones after. `band`: the
-    pair's calibrated gain band (gain_band()), else the weights' allowance bounds each head's gain."""
+    pair's calibrated gain band (gain_band()), within the weights' allowance; else that allowance bounds each head's
+    gain."""
     if weights not in WEIGHTS:
         raise ValueError(f"no fidelity allowance for weights {weights!r}; known: {', '.join(WEIGHTS)}")
+    if band is not None and len(band) != len(bridged):
+        raise ValueError(f"the pair's calibrated gain band has {len(band)} layers, the KV {len(bridged)}: run "
+                         f"`disagg fidelity calibrate` again")
     a_rel, a_pos = WEIGHTS[weights]
     rows, findings, nearest = [], [], None
     sent, own = arrived(bridged, start), arrived(reference, start)  # the positions that came as KV
@@ -225,8 +227,11 @@ def judge(bridged: list[dict], reference: list[dict], wire: str, weights: str, c
                 findings.append({"metric": "|gain - 1|", "tensor": t.upper(), "layer": li, "head": None,
                                  "value": abs(g - 1), "tolerance": gtol if g > 1 else 1 - low,
                                  "what": f"{t.upper()} scaled by {g:.3g}"})
-            row[f"{t}_gains"] = [float(x) for x in s["gain"]]
-            findings += _gain_findings(li, t, s["gain"], band[li][t] if band else None, a_rel, gtol)
+            # Per head over the positions that arrived (a held prefix is MLX's own: it would pull a gain to 1)
+            gains = head_stats(sent[li][t], own[li][t])["gain"] if sent[li][t].shape[1] else None
+            row[f"{t}_gains"] = [] if gains is None else [float(x) for x in gains]
+            if gains is not None:
+                findings += _gain_findings(li, t, gains, band[li][t] if band else None, a_rel, gtol)
             if li > 0:  # layer 0: the absolute test below
                 run = position_runs(li, t, sent[li][t], own[li][t], wire, chunk)
                 findings += [run] if run else []

@@ -122,4 +122,6 @@ def test_a_fault_only_long_prompts_reach_passes_the_canary_and_is_caught_on_the_
     with urllib.request.urlopen(split.url("gateway") + "/health", timeout=10) as r:
         (pair,) = json.loads(r.read())["fidelity"]
     assert (pair["state"], pair["usable"], pair["metric"]) == ("failed", False, "real-traffic position error"), pair
-    assert _verdict(split, "")["state"] == "verified"  # mended: the canary takes the pair back
+    assert pair["demoted_by"] == "traffic" and pair["hold"]["count"] == 1, pair  # held: no short canary lifts it
+    row = _verdict(split, "")  # mended; the operator's forced canary, of the long form while held, takes it back
+    assert (row["state"], row["long"], row["hold"]) == ("verified", True, None) and row["tokens"] >= 299, row

@@ -143,9 +143,12 @@ class FakeDecodeNode(FakeNode):
         # KV a prefill node delivers; past the float32 tolerance (0.01) the verdict is failed.
         self.fidelity_error = 1e-5
         self.excess = 0.1  # the rel. RMS allowance past the wire's own it reports needing (calibration)
+        self.gains = [[0.97, 0.95], [0.9, 0.93]]  # per layer, each KV head's gain it reports (K and V alike)
+        self.long_canary = True  # it runs the long (start_canary_tokens) form when asked ("long": true)
         self.canaries = 0
         self.canary_hold: asyncio.Event | None = None  # set: every canary's comparison waits for it
         self.canary_bodies: list[dict] = []  # what each /v1/fidelity/expect asked (the pair's weights, an allowance)
+        self._asked: dict[str, dict] = {}  # canary transfer id -> its expect body
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/generate", self._generate)
@@ -164,6 +167,7 @@ class FakeDecodeNode(FakeNode):
         tid = f"canary-{uuid.uuid4().hex}"
         ids = self.tok.encode("The river town of Alder Bend kept its records in a stone hall.").ids
         self._transfers[tid] = _Transfer(len(ids) - 1)
+        self._asked[tid] = self.canary_bodies[-1]
         return web.json_response({"transfer_id": tid, "token_ids": ids[:-1],
                                   "kv_target": {"host": "127.0.0.1", "port": self.kv_port}})
 
@@ -174,14 +178,18 @@ class FakeDecodeNode(FakeNode):
         if self.canary_hold is not None:
             await self.canary_hold.wait()
         self.canaries += 1
-        base = {"model": self.model_id, "prefill": "", "decode": self.name, "tokens": kv_tokens}
+        asked = self._asked.pop(tid, {})
+        long = self.long_canary and asked.get("long") is True
+        base = {"model": self.model_id, "prefill": "", "decode": self.name, "tokens": kv_tokens, "long": long}
         if fallback is not None:
             return web.json_response({**base, "state": "error", "message": f"KV did not arrive: {fallback}"})
         bad = self.fidelity_error > 0.01
+        layers = [{"layer": i, "k_gains": g, "v_gains": g} for i, g in enumerate(self.gains)]
         return web.json_response({**base, "state": "failed" if bad else "verified", "error": self.fidelity_error,
                                   "layer": 3, "tensor": "K", "tolerance": 0.01, "wire_dtype": "float32",
                                   "kv_dtype": "float32", "greedy": "0/8" if bad else "8/8", "kl": 2.0 if bad else 1e-6,
-                                  "seconds": 0.01, "excess": self.excess})
+                                  "seconds": 0.01, "excess": self.excess, "gain_band": "gain_band" in asked,
+                                  "layers": layers})
 
     def deliver_kv(self, request_id: str, tokens: int) -> bool:
         t = self._transfers.get(request_id)

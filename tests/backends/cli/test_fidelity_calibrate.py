@@ -1,6 +1,6 @@
 """`disagg fidelity calibrate` (backends/cli/fidelity.py) over fake nodes: n varied canaries through the pair, the
-worst excess with its margin written with date, reason and both KV identities; a pair whose canary finds a wrong KV
-(not only its error's size) is not calibrated."""
+worst excess with its margin and each KV head's gain band written with date, reason and both KV identities; a pair
+whose canary finds a wrong KV (not only its error's size) is not calibrated."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ async def test_calibrate_writes_the_pairs_allowance_tied_to_both_identities(empt
         assert (cal.allowance, cal.weights, cal.prefill_kv, cal.decode_kv, cal.canaries) == (0.5, "4", "kv0", "kv0", 3)
         assert "3 varied canaries" in cal.reason and cal.reason.endswith("by the test") and cal.date.startswith("20")
         assert read_calibrations(path) == [cal] and "allowance 0.5" in lines[-1]
+        # each head's honest gains (the fake's: the same in every canary) widened by the least width, 0.06
+        assert cal.gain_band[1]["v"] == [[0.84, 0.87], [0.96, 0.99]] and len(cal.gain_band) == 2
+        assert "gain band 2 layers x 2 KV heads" in lines[-1]
     finally:
         await c.stop()
 

@@ -249,16 +249,27 @@ def test_the_fidelity_table_says_stale_and_override_and_the_exit_status_follows_
          "last_error": "KV did not arrive: timeout", "summary": "not checked: KV did not arrive: timeout"},
         {"model": "m", "prefill": "p1", "decode": "d1", "state": "checking", "usable": False,
          "reverify": "d1 restarted (boot id 1234abcd -> 5678ef01)"},
+        {"model": "m", "prefill": "p2", "decode": "d0", "state": "failed", "usable": False, "error": None,
+         "metric": "real-traffic position error", "message": "a request's KV failed the decode node's layer-0 "
+         "check: K layer 0 position 650 error 1.4 (tolerance 0.1)", "stale": False, "errors": 0,
+         "hold": {"count": 2, "left_s": 540.0, "until": "2026-11-28T10:42:13+00:00", "hold_s": 1200.0},
+         "calibration": {"allowance": 0.05, "date": "2026-11-28T06:40:00+00:00", "reason": "20 canaries",
+                         "gain_band": "gain band 30 layers x 3 KV heads, [0.71, 1.05], widths 0.06-0.09"}},
     ]
     verdicts = []
     for row in rows:
         v = status.verdict_of(row)
         v.lifecycle = status.Lifecycle.from_row(row)
         verdicts.append(v)
-    assert [status.passes(v) for v in verdicts] == [True, True, False, False]
+    assert [status.passes(v) for v in verdicts] == [True, True, False, False, False]
     lines = status.render({"nodes": [], "links": [], "fidelity": verdicts}).splitlines()
-    stale, vouched, error, checking = (next(ln for ln in lines if f"{r['prefill']} -> {r['decode']}" in ln)
-                                       for r in rows)
+    stale, vouched, error, checking, held = (next(ln for ln in lines if f"{r['prefill']} -> {r['decode']}" in ln)
+                                             for r in rows)
+    assert held.startswith("!! ") and "demoted by real traffic (2 in a row), held until 2026-11-28T10:42:13+00:00 " \
+        "(9min): a long canary, --recheck or calibrate lifts it" in held  # why and until when, first
+    assert "calibrated 2026-11-28: allowance 0.05, gain band 30 layers x 3 KV heads" in verdicts[4].lifecycle.note()
+    assert status.to_json({"nodes": [], "links": [], "consensus": {}, "fidelity": verdicts})["fidelity"][4][
+        "hold"]["count"] == 2
     assert stale.startswith("!! ") and "verified (stale)" in stale and "stale (10min old): http://d0 answered HTTP 429" \
         in stale
     assert "FAILED" in vouched and "override (used): 4-bit Mac, checked by hand" in vouched

@@ -9,43 +9,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kv_bridge.assembly import ReceivedKV
-from tests.support import tiny_models
+from tests.support.kv_pairs import drive, own_kv, received
 
 
 @pytest.fixture(scope="module")
-def node_model(tmp_path_factory):
+def node_model(llama_q4):
     import mlx.core as mx
-    from mlx_lm import load
 
-    path = tiny_models.build("llama", tmp_path_factory.mktemp("llama") / "m")
-    model, _ = load(str(path))
-    return SimpleNamespace(model=model, dtype=mx.float32, kv_bits=None, kv_group_size=64, path=str(path))
+    return SimpleNamespace(model=llama_q4.full, dtype=mx.float32, kv_bits=None, kv_group_size=64,
+                           path=str(llama_q4.path))
 
 
 def _received(model, ids, start, wire="float32", swap=False):
     """What the receiver hands the canary: KV of ids[start:], computed here by MLX (as vLLM would), via `wire`."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from kv_bridge.mlx.cache import cache_kv
-    from kv_bridge.mlx.fidelity_metric import wire_encode
-
-    cache = make_prompt_cache(model)
-    model(mx.array(ids)[None], cache=cache)
-    k, v = cache_kv(cache, len(ids))
-    k, v = (np.stack([wire_encode(x, wire, 32) for x in a[:, :, start:]]) for a in (k, v))
-    if swap:
-        k, v = v, k
-    return ReceivedKV(start, np.ascontiguousarray(k), np.ascontiguousarray(v), k.nbytes, 0.1, wire_dtype=wire)
-
-
-def _drive(gen):
-    while True:
-        try:
-            next(gen)
-        except StopIteration as done:
-            return done.value
+    k, v = (a[:, :, start:] for a in own_kv(model, ids))
+    return received(*((v, k) if swap else (k, v)), start, wire, chunk=32)
 
 
 @pytest.mark.parametrize("prefix", [0, 40])
@@ -55,7 +33,7 @@ def test_a_right_kv_verifies_whole_or_appended_to_a_held_prefix(node_model, pref
 
     ids = [int(t) for t in np.random.default_rng(3).integers(3, 3000, 100)]
     kv = _received(node_model.model, ids[:-1], prefix, wire)
-    out = _drive(run(node_model, ids, kv, 3, prefix))
+    out = drive(run(node_model, ids, kv, 3, prefix))
     v = verdict("m", "decode-0", "float32", wire, len(ids) - 1, out)
     assert v.state == "verified" and v.findings == [], v.summary()
     assert v.head is not None and v.metric == "rel. RMS" and v.error <= v.tolerance and v.weights == "full"
@@ -65,7 +43,7 @@ def test_a_swapped_kv_through_the_prefix_path_fails_and_is_named(node_model):
     from backends.decode.canary import run, verdict
 
     ids = [int(t) for t in np.random.default_rng(4).integers(3, 3000, 100)]
-    out = _drive(run(node_model, ids, _received(node_model.model, ids[:-1], 40, swap=True), 3, 40))
+    out = drive(run(node_model, ids, _received(node_model.model, ids[:-1], 40, swap=True), 3, 40))
     v = verdict("m", "decode-0", "float32", "float32", len(ids) - 1, out)
     assert v.state == "failed" and v.metric == "placement" and v.head is not None
     assert "better than its own slot" in v.message and f"layer {v.layer} head {v.head}" in v.summary()
@@ -114,7 +92,38 @@ def test_the_heads_kv_is_judged_as_one_more_layer_without_failing_the_pair(node_
     for scale, clean in ((1.0, True), (1.5, False)):
         kv = _received(node_model.model, ids[:-1], 0, wire)
         kv.draft_keys, kv.draft_values = (wire_encode(a, wire, 32)[None] for a in (k, v * scale))
-        out = _drive(run(m, ids, kv, 3))
+        out = drive(run(m, ids, kv, 3))
         assert out["draft"]["layer"] == len(out["layers"]) and not out["findings"]
         assert (not out["draft"]["findings"]) == clean, out["draft"]
         assert verdict("m", "d", "float32", wire, len(ids), out).state == "verified"
+
+
+def test_a_calibrated_gain_band_judges_the_heads_and_the_verdict_says_so(node_model):
+    """The pair's band (from an honest canary's own per-head gains, as calibrate writes it) rides into the judge:
+    an honest canary verifies under it, one V head x0.85 fails on that head; a band of another shape is refused."""
+    from backends.decode.canary import run, verdict
+    from kv_bridge.fidelity import gain_band
+
+    ids = [int(t) for t in np.random.default_rng(6).integers(3, 3000, 100)]
+    honest = drive(run(node_model, ids, _received(node_model.model, ids[:-1], 0), 3, weights="4"))
+    band = gain_band([honest["layers"]])
+    out = drive(run(node_model, ids, _received(node_model.model, ids[:-1], 0), 3, weights="4", band=band))
+    v = verdict("m", "decode-0", "float32", "float32", len(ids) - 1, out)
+    assert v.ok and v.gain_band and not v.over_allowance, v.summary()
+    kv = _received(node_model.model, ids[:-1], 0)
+    kv.values[:, 1] *= 0.85
+    v = verdict("m", "decode-0", "float32", "float32", len(ids) - 1,
+                drive(run(node_model, ids, kv, 3, weights="4", band=band)))
+    assert v.state == "failed" and (v.tensor, v.head, v.metric) == ("V", 1, "|gain - band mid|"), v.summary()
+    with pytest.raises(ValueError, match="calibrate"):
+        drive(run(node_model, ids, _received(node_model.model, ids[:-1], 0), 3, weights="4", band=band[:1]))
+
+
+def test_a_gain_band_of_another_form_is_refused_at_the_door():
+    from backends.common import NodeError
+    from backends.decode.canary import _band
+
+    assert _band(None) is None and _band([{"k": [[0.9], [1.0]], "v": [[0.8], [1.0]]}])
+    for bad in ([], [{"k": [[0.9]], "v": []}], [{"k": [[0.9], [1.0, 1.1]], "v": [[0.8], [1.0]]}], "band"):
+        with pytest.raises(NodeError, match="gain_band must be"):
+            _band(bad)

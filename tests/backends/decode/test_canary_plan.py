@@ -22,3 +22,12 @@ def test_a_configured_prefix_pins_the_prefix_path_and_no_start_canary_keeps_the_
     plan = CanaryPlan()
     r = [plan.next("m", "p0", 136, 0, 64) for _ in range(3)]
     assert [(x.tokens, x.prefix) for x in r] == [(136, 64)] * 3
+
+
+def test_the_long_form_on_request_whatever_the_round_and_only_where_it_is_longer():
+    plan = CanaryPlan()
+    r = [plan.next("m", "p0", 136, 2304, 0, long=x) for x in (False, False, True, False)]
+    assert [(x.tokens, x.prefix, x.long) for x in r] == [(2304, 0, True), (136, 68, False), (2304, 0, True),
+                                                         (136, 68, False)]
+    assert r[2].nonce != r[1].nonce  # the long form never rides on a cached text
+    assert not CanaryPlan().next("m", "p0", 136, 0, 0, long=True).long  # no long canary configured: none

@@ -1,7 +1,8 @@
 """The decode node's canary routes end to end in process (issue #50): the real DecodeService and its MLX thread on a
 tiny llama, a stand-in prefill route that computes the canary's KV with MLX and pushes it with the real KVSender, and
 the caller's run_canary. The canary is held past the node's KV cap (never a 429), and a comparison that waits longer
-than its timeout behind a busy MLX step still answers verified: the node heartbeats, its wait is not its run."""
+than its timeout behind a busy MLX step still answers verified: the node heartbeats, its wait is not its run. A
+calibrated gain band and the long form, when asked for, ride into the comparison."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ TIMEOUT_S, BUSY_S = 3.0, 5.0  # the busy MLX step outlasts the canary's timeout
 def _service(model_dir) -> DecodeService:
     s = Settings(gateway={"host": "127.0.0.1", "port": free_port()}, prefill={}, decode={},
                  kv={"max_inflight_bytes": 1024},  # far below the canary's KV: a request would get a 429
-                 fidelity={"canary_tokens": 40, "timeout_s": TIMEOUT_S},
+                 fidelity={"canary_tokens": 40, "start_canary_tokens": 96, "timeout_s": TIMEOUT_S},
                  nodes=[{"name": "decode-0", "role": "decode", "host": "127.0.0.1", "port": free_port(),
                          "kv_port": free_port()}],
                  models=[{"id": "tiny", "path": str(model_dir), "prefill": [], "decode": ["decode-0"]}])
@@ -95,6 +96,12 @@ async def test_a_canary_past_the_kv_cap_and_behind_a_busy_mlx_step_still_verifie
             m.run_task(busy)
             v = await fidelity.run_canary(http, "tiny", ("p", url), ("decode-0", url), {}, TIMEOUT_S)
             assert v.state == "verified", v.summary()  # its BUSY_S in the queue was not its TIMEOUT_S
+            # The gateway's asks (issue #50): the pair's calibrated gain band, and the long form after real traffic
+            # demoted the pair.
+            band = fidelity.gain_band([v.layers])
+            w = await fidelity.run_canary(http, "tiny", ("p", url), ("decode-0", url), {}, TIMEOUT_S,
+                                          {"gain_band": band, "long": True})
+            assert w.ok and w.gain_band and w.long and w.tokens > v.tokens and not v.long, w.summary()
     finally:
         release.set()
         await runner.cleanup()

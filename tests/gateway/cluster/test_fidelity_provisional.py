@@ -74,14 +74,19 @@ async def test_the_canary_is_told_the_prefill_weights_and_a_calibration_of_these
     try:
         assert c.decode.canary_bodies[-1] == {"model": MODEL_ID, "prefill": "prefill-0",
                                               "prefill_weights": {"scheme": "fp8", "bits": 8}}
+        band = [{"k": [[0.9, 0.88], [1.0, 0.99]], "v": [[0.85, 0.8], [0.95, 0.93]]}]
         cal = dict(model=MODEL_ID, prefill="prefill-0", decode="decode-0", allowance=0.5, weights="4",
-                   prefill_kv="kv0", decode_kv="kv0", date="2026-11-28T06:40:00Z", reason="20 canaries")
+                   prefill_kv="kv0", decode_kv="kv0", date="2026-11-28T06:40:00Z", reason="20 canaries",
+                   gain_band=band)
         write_calibration(path, FidelityCalibration(**cal))
         status, _, body = await c.post("/fidelity")
-        assert status == 200 and body["pairs"][0]["calibration"]["allowance"] == 0.5
-        assert c.decode.canary_bodies[-1]["allowance"] == 0.5
+        row = body["pairs"][0]
+        assert status == 200 and row["calibration"]["allowance"] == 0.5 and row["gain_band"]
+        assert row["calibration"]["gain_band"].startswith("gain band 1 layers x 2 KV heads, [0.8, 1]")
+        assert c.decode.canary_bodies[-1]["allowance"] == 0.5 and c.decode.canary_bodies[-1]["gain_band"] == band
         write_calibration(path, FidelityCalibration(**{**cal, "decode_kv": "kv-old"}))  # another Mac build: expired
         status, _, body = await c.post("/fidelity")
-        assert body["pairs"][0]["calibration"] is None and "allowance" not in c.decode.canary_bodies[-1]
+        assert body["pairs"][0]["calibration"] is None and not body["pairs"][0]["gain_band"]
+        assert "allowance" not in c.decode.canary_bodies[-1] and "gain_band" not in c.decode.canary_bodies[-1]
     finally:
         await c.stop()

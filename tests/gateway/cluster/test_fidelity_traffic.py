@@ -1,12 +1,14 @@
 """A real request whose KV failed the decode node's layer-0 check (done line: fallback_reason kv_fidelity, kv_check)
 over fake nodes: the request is answered (its prompt prefilled on the decode node), counted as a fallback, and the
-pair is demoted at once, as a failed canary would leave it, with the finding in /health and the WARN line."""
+pair is demoted at once with the finding in /health and the WARN line; it stays demoted (issue #50): past the failed
+canary's backoff and through short canaries, until a canary of the long form after its hold (which doubles when real
+traffic fails it again) or an operator's re-check."""
 
 from __future__ import annotations
 
 import logging
 
-from tests.support.fakes import MODEL_ID, chat_body
+from tests.support.fakes import MODEL_ID, Cluster, chat_body
 
 PAIR = {"model": MODEL_ID, "prefill": "prefill-0", "decode": "decode-0"}
 
@@ -30,3 +32,74 @@ async def test_a_request_whose_kv_failed_the_check_falls_back_and_demotes_the_pa
     cluster.decode.mode = None
     status, headers, _ = await cluster.chat(chat_body("x " * 60))
     assert status == 200 and headers["x-disagg-path"] == "local"  # demoted: no KV until the canary verifies again
+
+
+async def _path(c: Cluster) -> str:
+    status_, headers, body = await c.chat(chat_body("x " * 60))
+    assert status_ == 200, body
+    return headers["x-disagg-path"]
+
+
+async def _row(c: Cluster) -> dict:
+    async with c.http.get(c.url + "/health") as r:
+        (row,) = (await r.json())["fidelity"]
+    return row
+
+
+async def _traffic_failure(c: Cluster) -> dict:
+    c.decode.mode = "kv_fidelity"
+    status, headers, _ = await c.chat(chat_body("x " * 60))
+    assert status == 200 and headers["x-disagg-fallbacks"] == "kv_fidelity"
+    c.decode.mode = None
+    return await _row(c)
+
+
+async def test_a_traffic_demotion_outlasts_the_backoff_and_short_canaries_and_an_operator_lifts_it(empty_config,
+                                                                                                  caplog):
+    """The failed-canary backoff is 0.1 s here and the hold 0.5 s: past both, the canaries that ran (this decode node
+    runs no long form, as with start_canary_tokens = 0) verified it and it stays demoted, saying why and until when
+    (/health, /metrics); an operator's re-check lifts it."""
+    caplog.set_level(logging.WARNING, "gateway.cluster.fidelity")
+    c = await Cluster(fidelity={"failed_retry_s": 0.1, "retry_s": 0.1, "traffic_hold_s": 0.5}).start()
+    try:
+        c.decode.long_canary = False
+        row = await _traffic_failure(c)
+        assert (row["state"], row["demoted_by"], row["hold"]["count"], row["hold"]["hold_s"]) == \
+            ("failed", "traffic", 1, 0.5)
+        assert "demoted by real traffic; held until" in row["summary"] and row["hold"]["until"].startswith("20")
+        assert await c.metric("disagg_kv_fidelity_demoted", **PAIR, by="traffic") == 1
+        assert await c.metric("disagg_kv_fidelity_demoted", **PAIR, by="canary") == 0
+        canaries = c.decode.canaries
+
+        async def short_canaries_ran() -> bool:
+            return c.decode.canaries >= canaries + 1 and any("not in the long form" in m for m in caplog.messages)
+        await c.wait_for(short_canaries_ran)
+        row = await _row(c)
+        assert (row["state"], row["usable"], row["demoted_by"]) == ("failed", False, "traffic"), row["summary"]
+        assert c.decode.canary_bodies[-1]["long"] is True  # it was asked for the long form
+        assert await _path(c) == "local"
+        status_, _, body = await c.post("/fidelity")  # the operator
+        (row,) = body["pairs"]
+        assert (row["state"], row["usable"], row["hold"], row["demoted_by"]) == ("verified", True, None, None)
+        assert any("lifted by an operator's re-check" in m for m in caplog.messages)
+        assert await _path(c) == "disaggregated"
+    finally:
+        await c.stop()
+
+
+async def test_a_long_canary_repromotes_after_the_hold_and_a_second_failure_doubles_it(empty_config):
+    c = await Cluster(fidelity={"traffic_hold_s": 0.3}).start()
+    try:
+        row = await _traffic_failure(c)
+        assert row["hold"]["hold_s"] == 0.3 and await c.metric("disagg_kv_fidelity_hold_seconds", **PAIR) > 0
+
+        async def repromoted() -> bool:
+            return (await _row(c))["state"] == "verified"
+        await c.wait_for(repromoted)
+        assert c.decode.canary_bodies[-1]["long"] is True and (await _row(c))["long"]
+        assert await _path(c) == "disaggregated"
+        row = await _traffic_failure(c)
+        assert (row["state"], row["hold"]["count"], row["hold"]["hold_s"]) == ("failed", 2, 0.6)
+        assert "2 times in a row: its hold doubled" in row["summary"]
+    finally:
+        await c.stop()

@@ -9,28 +9,19 @@ import pytest
 
 from kv_bridge import dtypes
 from kv_bridge.mlx.fidelity_metric import judge, wire_encode
-from tests.support import tiny_models
 from tests.support.kv_faults import FAULTS, mlx_prefill_kv
 
 WIRES = ("float32", "bfloat16", "float8_e4m3")
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(llama_q4):
     """(prefill KV of two prompts, decode-side KV per weights, rope) for a tiny llama and its 4-bit conversion."""
-    from mlx_lm import load
-
-    from backends.cli.checkpoints import convert
-    from kv_bridge.mlx.fidelity import rope_shift
-
-    work = tmp_path_factory.mktemp("llama")
-    src = tiny_models.build("llama", work / "m")
-    full, _ = load(str(src))
-    q4, _ = load(str(convert(src, work / "q4", 4)))
+    full, q4 = llama_q4.full, llama_q4.q4
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, 3000, 96)] for _ in range(2)]
     sent = [mlx_prefill_kv(full, ids) for ids in prompts]
-    return sent, {"full": mlx_prefill_kv(full, prompts[0]), "4": mlx_prefill_kv(q4, prompts[0])}, rope_shift(full)
+    return sent, {"full": mlx_prefill_kv(full, prompts[0]), "4": mlx_prefill_kv(q4, prompts[0])}, llama_q4.rope
 
 
 def _wire(layers, wire):

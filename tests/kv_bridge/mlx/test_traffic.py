@@ -8,31 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kv_bridge.assembly import ReceivedKV
 from kv_bridge.mlx import traffic
-from kv_bridge.mlx.fidelity_metric import wire_encode
 from tests.support import tiny_models
 from tests.support.kv_faults import block_swapped, other_block, slot_shift
-
-
-def _run(gen):
-    while True:
-        try:
-            next(gen)
-        except StopIteration as done:
-            return done.value
-
-
-def _own_kv(model, ids):
-    """MLX's own prefill of `ids`: (L, H, T, D) float32 keys and values, as a transfer would carry them."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from kv_bridge.mlx.cache import cache_kv
-
-    cache = make_prompt_cache(model)
-    model(mx.array(ids)[None], cache=cache)
-    return cache_kv(cache, len(ids))
+from tests.support.kv_pairs import drive, own_kv, received
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe", "gpt_oss"])
@@ -42,44 +21,38 @@ def tiny(request, tmp_path_factory):
     kw = {"window": 512} if request.param == "gpt_oss" else {}  # every position held: layer 0 compared in full
     model, _ = load(str(tiny_models.build(request.param, tmp_path_factory.mktemp(request.param) / "m", **kw)))
     ids = [int(t) for t in np.random.default_rng(2).integers(3, 200, 160)]
-    return model, ids, _own_kv(model, ids)
-
-
-def _received(keys, values, start=0, wire="float32", first=None):
-    k, v = (np.stack([wire_encode(x[i], wire, 64) for i in range(x.shape[0])]) for x in (keys, values))
-    firsts = np.full(k.shape[0], start) if first is None else first
-    return ReceivedKV(start, k, v, k.nbytes, 0.0, dtype="float32", wire_dtype=wire, layer_first=firsts)
+    return model, ids, own_kv(model, ids)
 
 
 def test_layer0_without_attention_is_mlxs_own_at_any_start(tiny):
     model, ids, (keys, values) = tiny
-    k, v = _run(traffic.layer0_kv(model, ids, 0, piece=48))  # several pieces, as on the MLX thread
+    k, v = drive(traffic.layer0_kv(model, ids, 0, piece=48))  # several pieces, as on the MLX thread
     assert np.abs(k - keys[0]).max() < 1e-4 and np.abs(v - values[0]).max() < 1e-4
-    k, _ = _run(traffic.layer0_kv(model, ids[40:], 40))  # RoPE at the absolute position
+    k, _ = drive(traffic.layer0_kv(model, ids[40:], 40))  # RoPE at the absolute position
     assert np.abs(k - keys[0][:, 40:]).max() < 1e-4
 
 
 @pytest.mark.parametrize("wire", ["float32", "bfloat16", "float8_e4m3"])
 def test_a_right_transfer_passes_whole_and_after_a_held_prefix(tiny, wire):
     model, ids, (keys, values) = tiny
-    out = _run(traffic.check(model, ids, _received(keys, values, wire=wire), wire, "full"))
+    out = drive(traffic.check(model, ids, received(keys, values, wire=wire), wire, "full"))
     assert out["ok"] and out["finding"] is None and out["tokens"] == len(ids)
-    tail = _received(keys[:, :, 64:], values[:, :, 64:], start=64, wire=wire)
-    assert _run(traffic.check(model, ids, tail, wire, "full"))["ok"]
+    tail = received(keys[:, :, 64:], values[:, :, 64:], start=64, wire=wire)
+    assert drive(traffic.check(model, ids, tail, wire, "full"))["ok"]
 
 
 @pytest.mark.parametrize("fault", ["two blocks swapped", "slot mapping shifted", "another request's block"])
 def test_a_misplaced_block_fails_and_is_named(tiny, fault):
     model, ids, (keys, values) = tiny
-    other = _own_kv(model, [int(t) for t in np.random.default_rng(9).integers(3, 200, len(ids))])
+    other = own_kv(model, [int(t) for t in np.random.default_rng(9).integers(3, 200, len(ids))])
     layers = [{"k": keys[i], "v": values[i]} for i in range(keys.shape[0])]
     bad = {"two blocks swapped": lambda: block_swapped(layers, block=16, a=2, b=5),
            "slot mapping shifted": lambda: slot_shift(layers, first=96),
            "another request's block": lambda: other_block(
                layers, other=[{"k": other[0][i], "v": other[1][i]} for i in range(keys.shape[0])], block=16, at=3),
            }[fault]()
-    kv = _received(np.stack([r["k"] for r in bad]), np.stack([r["v"] for r in bad]), wire="float8_e4m3")
-    out = _run(traffic.check(model, ids, kv, "float8_e4m3", "full"))
+    kv = received(np.stack([r["k"] for r in bad]), np.stack([r["v"] for r in bad]), wire="float8_e4m3")
+    out = drive(traffic.check(model, ids, kv, "float8_e4m3", "full"))
     assert not out["ok"], out
     f = out["finding"]
     assert f["value"] > f["tolerance"] and f["positions"] >= 8, f
@@ -95,23 +68,17 @@ def test_only_the_positions_that_arrived_are_judged(tiny):
     k[0, :, :100] = v[0, :, :100] = 0
     first = np.zeros(keys.shape[0], int)
     first[0] = 100
-    assert _run(traffic.check(model, ids, _received(k, v, first=first), "float32", "full"))["ok"]
+    assert drive(traffic.check(model, ids, received(k, v, first=first), "float32", "full"))["ok"]
     first[0] = 90  # the window cut 10 positions too early: zeros where KV should be
-    assert not _run(traffic.check(model, ids, _received(k, v, first=first), "float32", "full"))["ok"]
+    assert not drive(traffic.check(model, ids, received(k, v, first=first), "float32", "full"))["ok"]
 
 
-def test_the_4bit_macs_honest_layer0_passes_a_swap_still_fails(tmp_path):
-    from mlx_lm import load
-
-    from backends.cli.checkpoints import convert
-
-    src = tiny_models.build("llama", tmp_path / "m")
-    full, _ = load(str(src))
-    q4, _ = load(str(convert(src, tmp_path / "q4", 4)))
+def test_the_4bit_macs_honest_layer0_passes_a_swap_still_fails(llama_q4):
+    full, q4 = llama_q4.full, llama_q4.q4
     ids = [int(t) for t in np.random.default_rng(3).integers(3, 200, 160)]
-    keys, values = _own_kv(full, ids)  # the prefill side's full weights
-    assert _run(traffic.check(q4, ids, _received(keys, values, wire="float8_e4m3"), "float8_e4m3", "4"))["ok"]
+    keys, values = own_kv(full, ids)  # the prefill side's full weights
+    assert drive(traffic.check(q4, ids, received(keys, values, wire="float8_e4m3"), "float8_e4m3", "4"))["ok"]
     layers = [{"k": keys[i], "v": values[i]} for i in range(keys.shape[0])]
     bad = block_swapped(layers, block=16, a=1, b=7)
-    kv = _received(np.stack([r["k"] for r in bad]), np.stack([r["v"] for r in bad]), wire="float8_e4m3")
-    assert not _run(traffic.check(q4, ids, kv, "float8_e4m3", "4"))["ok"]
+    kv = received(np.stack([r["k"] for r in bad]), np.stack([r["v"] for r in bad]), wire="float8_e4m3")
+    assert not drive(traffic.check(q4, ids, kv, "float8_e4m3", "4"))["ok"]
