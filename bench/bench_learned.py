@@ -116,9 +116,11 @@ def main() -> None:
           f"prompts, {n} tokens each, greedy, k={a.num_draft}")
     rows = [measure(eagle, meth, head, ids, n, a.num_draft) for meth in ("off", "prompt_lookup", "eagle3")]
     eagle.stop()
+    eagle.executor.shutdown(wait=True)  # its MLX thread ends first: a live one at exit is std::terminate (rc 134)
     df = node("dflash", untrained_dflash(target, str(tmp / "dflash"), block_size=a.num_draft + 1))
     rows.append(measure(df, "dflash", "untrained", ids, n, a.num_draft))
     df.stop()
+    df.executor.shutdown(wait=True)
     print(state_bytes(head, ids[0]))
     base = rows[0]
     for r in rows:
