@@ -11,6 +11,8 @@ analysis with Ollama `format: "json"` and prose feedback), sent as /api/generate
 sending its calls in order. One prefill node serves every pass; each pass has its own decode node and gateway, its
 model's [models.speculative] `method` the pass's (`off` first: the baseline). A method is any the config accepts
 (`prompt_lookup` today; `suffix` and the controller's choice of both once the node has them).
+--config F: the prefill node is a running stack's (its first for the model, on this machine, its node secret), not
+one started here; each pass's decode node and gateway are still the bench's own. Prompts must fit its max_model_len.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from backends.grading import spec_class
+from bench.site_target import running_prefill
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 SECRET = "bench-class-spec-secret"
@@ -36,9 +39,10 @@ def _spec_toml(method: str, num_draft: int) -> str:
     return f'\n[models.speculative]\nmethod = "{method}"\nnum_draft = {num_draft}\nadaptive = true\n'
 
 
-def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "") -> Stack:
+def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "",
+           secret: str = SECRET) -> Stack:
     folder.mkdir(parents=True, exist_ok=True)
-    s = Stack(folder, node_secret=SECRET, fidelity=False, min_disagg_tokens=8, kv_timeout_s=600.0,
+    s = Stack(folder, node_secret=secret, fidelity=False, min_disagg_tokens=8, kv_timeout_s=600.0,
               prefill_port=prefill_port)
     s.config.write_text(s.config.read_text().replace("max_model_len = 4096", f"max_model_len = {max_len}") + extra)
     from kv_bridge.config.settings import load_config
@@ -113,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-draft", type=int, default=3, help="most drafted tokens per step (3: MLX's fused attention)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="one submission of ~300 tokens, 8-token answers")
+    ap.add_argument("--config", type=Path, help="use this running stack's prefill node (this machine) instead of "
+                    "starting one")
     ap.add_argument("--save-answers", type=Path, help="write plain decoding's answers (prompt and answer token ids, "
                     "from Ollama's `context`) here: bench/bench_class_drafts.py --answers replays them offline")
     args = ap.parse_args(argv)
@@ -132,10 +138,11 @@ def main(argv=None) -> int:
     passes = {}
     with tempfile.TemporaryDirectory() as d:
         base = _stack(Path(d) / "prefill", max_len)
-        with base.running(["prefill-0"]):
-            port = base.settings.node("prefill-0").port
+        own = (base.settings.node("prefill-0").port, SECRET)
+        port, secret = running_prefill(args.config, MODEL_ID) if args.config else own
+        with base.running([] if args.config else ["prefill-0"]):
             for method in methods:
-                s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft))
+                s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft), secret)
                 with s.running(["decode-0", "gateway"]):
                     rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens)
                     metrics = spec_metrics(s)
