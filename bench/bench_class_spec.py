@@ -12,7 +12,8 @@ sending its calls in order. One prefill node serves every pass; each pass has it
 model's [models.speculative] `method` the pass's (`off` first: the baseline). A method is any the config accepts
 (`prompt_lookup` today; `suffix` and the controller's choice of both once the node has them).
 --config F: the prefill node is a running stack's (its first for the model, on this machine, its node secret), not
-one started here; each pass's decode node and gateway are still the bench's own. Prompts must fit its max_model_len.
+one started here, and the "off" pass is its own gateway's (x-disagg-speculative: off); each other pass's decode node
+and gateway are still the bench's own. Prompts must fit its max_model_len.
 """
 
 from __future__ import annotations
@@ -51,20 +52,21 @@ def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: s
     return s
 
 
-def _generate(url: str, c: spec_class.ClassCall, num_predict: int) -> dict:
+def _generate(url: str, c: spec_class.ClassCall, num_predict: int, headers: dict | None = None) -> dict:
     body = {"model": MODEL_ID, "prompt": c.prompt, "stream": False,
             "options": {"temperature": 0, "num_predict": num_predict}}  # not raw: the answer carries `context`
     if c.json_format:
         body["format"] = "json"
     req = urllib.request.Request(url + "/api/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=1200) as r:
         out = json.loads(r.read())
         out["path"] = r.headers.get("x-disagg-path", "")
     return out
 
 
-def run_class(url: str, calls: list[spec_class.ClassCall], lanes: int, num_predict: int) -> tuple[list[dict], float]:
+def run_class(url: str, calls: list[spec_class.ClassCall], lanes: int, num_predict: int,
+              headers: dict | None = None) -> tuple[list[dict], float]:
     """Each lane sends its calls in order (call i goes to lane i % lanes); the answers in call order, and the
     makespan."""
     out: list[dict | None] = [None] * len(calls)
@@ -73,7 +75,7 @@ def run_class(url: str, calls: list[spec_class.ClassCall], lanes: int, num_predi
     def lane(i: int) -> None:
         try:
             for j in range(i, len(calls), lanes):
-                out[j] = _generate(url, calls[j], num_predict)
+                out[j] = _generate(url, calls[j], num_predict, headers)
         except BaseException as e:  # noqa: BLE001  (reported after the join)
             errors.append(e)
 
@@ -94,6 +96,20 @@ def decode_rate(rows: list[dict], role: str | None = None, calls=None) -> float:
     tokens = sum(max(0, r.get("eval_count", 0) - 1) for r in pick)
     seconds = sum(r.get("eval_duration", 0) for r in pick) / 1e9
     return tokens / seconds if seconds else 0.0
+
+
+def off_pass(config: Path, calls: list, args) -> tuple[list[dict], float, dict]:
+    """The "off" pass through a running stack's own gateway and decode node, each request with
+    `x-disagg-speculative: off` (no drafting: no verify steps to count); saves a decode node and a gateway."""
+    from bench.site_target import site
+    from kv_bridge.protocol import SPECULATIVE_HEADER
+
+    target = site(config, MODEL_ID)
+    rows, makespan = run_class(target.url("gateway"), calls, args.concurrency, args.answer_tokens,
+                               {**target.headers("gateway"), SPECULATIVE_HEADER: "off"})
+    print(f"  off: {makespan:.0f} s, decode {decode_rate(rows):.1f} tokens/s, paths {sorted({r['path'] for r in rows})}"
+          f" (the running gateway, {SPECULATIVE_HEADER}: off)", flush=True)
+    return rows, makespan, {"drafted_tokens": 0.0, "accepted_tokens": 0.0, "verify_steps": 0.0}
 
 
 def spec_metrics(s: Stack) -> dict[str, float]:
@@ -142,6 +158,9 @@ def main(argv=None) -> int:
         port, secret = running_prefill(args.config, MODEL_ID) if args.config else own
         with base.running([] if args.config else ["prefill-0"]):
             for method in methods:
+                if method == "off" and args.config:  # plain decoding is the running gateway's, switched off per request
+                    passes[method] = off_pass(args.config, calls, args)
+                    continue
                 s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft), secret)
                 with s.running(["decode-0", "gateway"]):
                     rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens)
