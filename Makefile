@@ -8,7 +8,7 @@ EXTRAS := gateway,prefill-cpu,decode-cpu,models,bench,dev
 STAMP  := $(VENV)/.installed
 AGENT_CLIS := node_modules/.installed
 
-.PHONY: install models draft-head serve site site-models test test-quick test-gpu test-cuda-build test-bench tools bench-docs clean
+.PHONY: install models draft-head serve site site-models test test-quick test-gpu test-cuda-build tools bench-docs clean
 
 install: $(STAMP)
 
@@ -64,12 +64,7 @@ $(AGENT_CLIS): package.json package-lock.json
 # complements, so every test runs once.
 test: install models site-models tools
 	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
-	$(BIN)/python -m pytest -q -m "(e2e or soak or cuda) and not benchstack" --durations=25
-
-# The smoke runs of the benches that start a stack of their own (tests/bench/test_smoke.py OWN_STACK): ~7 min here,
-# outside make test's 20 minutes; run them after changing those benches or what they start.
-test-bench: install models site-models
-	$(BIN)/python -m pytest -q -m benchstack --durations=10
+	$(BIN)/python -m pytest -q -m "e2e or soak or cuda" --durations=25
 
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
 # Two pytest-xdist workers: on this 2-core box the tier is part CPU, part waiting on sockets and timeouts.

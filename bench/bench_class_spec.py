@@ -17,6 +17,9 @@ alone in its own model's batch. The embedded weights are served under two model 
 SECOND_ID for the feedback lane): the decode node runs an MLXModel (thread, batch, controller, suffix store) per id,
 the prefill node a vLLM engine per id. Per pass it reports tokens per target forward, alpha and the mean k from the
 node's /metrics, and the speedup the same steps would give at the fitted Metal verify costs (docs/speculative.md).
+--config F: the prefill node is a running stack's (its first for the model, on this machine, its node secret), not
+one started here, and the "off" pass is its own gateway's (x-disagg-speculative: off); each other pass's decode node
+and gateway are still the bench's own. Prompts must fit its max_model_len. Not with --lanes-per-model (one model id).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from backends.grading import spec_class
+from bench.site_target import running_prefill
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 SECRET = "bench-class-spec-secret"
@@ -47,11 +51,11 @@ def _spec_toml(method: str, num_draft: int) -> str:
 
 
 def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "",
-           second: bool = False) -> Stack:
+           second: bool = False, secret: str = SECRET) -> Stack:
     """A stack on free ports; `extra` follows each [[models]] entry (its [models.speculative]); `second`: the model
     again under SECOND_ID, same folder and nodes."""
     folder.mkdir(parents=True, exist_ok=True)
-    s = Stack(folder, node_secret=SECRET, fidelity=False, min_disagg_tokens=8, kv_timeout_s=600.0,
+    s = Stack(folder, node_secret=secret, fidelity=False, min_disagg_tokens=8, kv_timeout_s=600.0,
               prefill_port=prefill_port)
     text = s.config.read_text().replace("max_model_len = 4096", f"max_model_len = {max_len}") + extra
     if second:
@@ -64,13 +68,14 @@ def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: s
     return s
 
 
-def _generate(url: str, c: spec_class.ClassCall, num_predict: int, model: str = MODEL_ID) -> dict:
+def _generate(url: str, c: spec_class.ClassCall, num_predict: int, model: str = MODEL_ID,
+              headers: dict | None = None) -> dict:
     body = {"model": model, "prompt": c.prompt, "stream": False,
             "options": {"temperature": 0, "num_predict": num_predict}}  # not raw: the answer carries `context`
     if c.json_format:
         body["format"] = "json"
     req = urllib.request.Request(url + "/api/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=1200) as r:
         out = json.loads(r.read())
         out["path"] = r.headers.get("x-disagg-path", "")
@@ -78,7 +83,7 @@ def _generate(url: str, c: spec_class.ClassCall, num_predict: int, model: str = 
 
 
 def run_class(url: str, calls: list[spec_class.ClassCall], lanes: int, num_predict: int,
-              models: dict[str, str] | None = None) -> tuple[list[dict], float]:
+              models: dict[str, str] | None = None, headers: dict | None = None) -> tuple[list[dict], float]:
     """Each lane sends its calls in order (call i goes to lane i % lanes); the answers in call order, and the
     makespan. `models`: role -> model id (default: MODEL_ID for every call)."""
     out: list[dict | None] = [None] * len(calls)
@@ -87,7 +92,8 @@ def run_class(url: str, calls: list[spec_class.ClassCall], lanes: int, num_predi
     def lane(i: int) -> None:
         try:
             for j in range(i, len(calls), lanes):
-                out[j] = _generate(url, calls[j], num_predict, (models or {}).get(calls[j].role, MODEL_ID))
+                out[j] = _generate(url, calls[j], num_predict, (models or {}).get(calls[j].role, MODEL_ID),
+                                   headers)
         except BaseException as e:  # noqa: BLE001  (reported after the join)
             errors.append(e)
 
@@ -108,6 +114,21 @@ def decode_rate(rows: list[dict], role: str | None = None, calls=None) -> float:
     tokens = sum(max(0, r.get("eval_count", 0) - 1) for r in pick)
     seconds = sum(r.get("eval_duration", 0) for r in pick) / 1e9
     return tokens / seconds if seconds else 0.0
+
+
+def off_pass(config: Path, calls: list, args) -> tuple[list[dict], float, dict]:
+    """The "off" pass through a running stack's own gateway and decode node, each request with
+    `x-disagg-speculative: off` (no drafting: no verify steps to count); saves a decode node and a gateway."""
+    from bench.site_target import site
+    from kv_bridge.protocol import SPECULATIVE_HEADER
+
+    target = site(config, MODEL_ID)
+    rows, makespan = run_class(target.url("gateway"), calls, args.concurrency, args.answer_tokens,
+                               headers={**target.headers("gateway"), SPECULATIVE_HEADER: "off"})
+    print(f"  off: {makespan:.0f} s, decode {decode_rate(rows):.1f} tokens/s, paths {sorted({r['path'] for r in rows})}"
+          f" (the running gateway, {SPECULATIVE_HEADER}: off)", flush=True)
+    return rows, makespan, {"drafted": 0.0, "accepted": 0.0, "rejections": 0.0, "verify": 0.0, "plain": 0.0,
+                            "costs": [], "paths": {}}
 
 
 def spec_metrics(s: Stack, models: tuple[str, ...] = (MODEL_ID,)) -> dict:
@@ -160,9 +181,13 @@ def main(argv=None) -> int:
     ap.add_argument("--num-draft", type=int, default=3, help="most drafted tokens per step (3: MLX's fused attention)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="one submission of ~300 tokens, 8-token answers")
+    ap.add_argument("--config", type=Path, help="use this running stack's prefill node (this machine) instead of "
+                    "starting one")
     ap.add_argument("--save-answers", type=Path, help="write plain decoding's answers (prompt and answer token ids, "
                     "from Ollama's `context`) here: bench/bench_class_drafts.py --answers replays them offline")
     args = ap.parse_args(argv)
+    if args.config and args.lanes_per_model:
+        ap.error("--config uses a running stack's one model id; --lanes-per-model needs two: use one or the other")
     sizes = spec_class.PROMPT_TOKENS
     if args.smoke:
         args.submissions, args.answer_tokens, sizes = 1, 8, (250, 350)
@@ -182,10 +207,15 @@ def main(argv=None) -> int:
     passes = {}
     with tempfile.TemporaryDirectory() as d:
         base = _stack(Path(d) / "prefill", max_len, second=lanes)
-        with base.running(["prefill-0"]):
-            port = base.settings.node("prefill-0").port
+        own = (base.settings.node("prefill-0").port, SECRET)
+        port, secret = running_prefill(args.config, MODEL_ID) if args.config else own
+        with base.running([] if args.config else ["prefill-0"]):
             for method in methods:
-                s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft), second=lanes)
+                if method == "off" and args.config:  # plain decoding is the running gateway's, switched off per request
+                    passes[method] = off_pass(args.config, calls, args)
+                    continue
+                s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft), second=lanes,
+                           secret=secret)
                 with s.running(["decode-0", "gateway"]):
                     rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens, roles)
                     metrics = spec_metrics(s, (MODEL_ID, SECOND_ID) if lanes else (MODEL_ID,))

@@ -9,7 +9,8 @@ Run from the repository root, under the heavy lock (the site's fixed ports):
     flock /tmp/disagg-heavy.lock nice -n 10 .venv/bin/python -m bench.bench_fidelity_recover [--baseline DIR]
         [--node mac-0] [--model smollm2:135m] [--workers 3] [--prompt-tokens 1500] [--max-s 300] [--json F]
     --smoke: one worker, 300-token prompts, 120 s at most, no baseline (a quick check that it runs).
-Each tree's site is started (`python -m backends.site.launch` with that tree's code and state folder) and stopped.
+Each tree's site is started (`python -m backends.site.launch` with that tree's code and state folder) and stopped;
+--running measures a `make site` already up instead (this tree's; no baseline), and leaves it up.
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ class Site:
                 self.proc.wait()
 
 
+class RunningSite:
+    """A site already up (`make site` in another shell): its roles found by their command lines; left running."""
+
+    def pid(self, name: str) -> int:
+        import psutil
+
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "backends.cli.main" in cmd and "--node" in cmd[:-1] and cmd[cmd.index("--node") + 1] == name:
+                return p.pid
+        raise RuntimeError(f"no process of {name} (`disagg ... --node {name}`): is the site up (make site)?")
+
+    def stop(self) -> None:
+        pass
+
+
 def settings_of(tree: Path):
     """The tree's site settings (its node secret: each tree's site writes its own)."""
     from kv_bridge.config.settings import load_config
@@ -105,7 +122,7 @@ def pair_row(http: httpx.Client, model: str, node: str) -> tuple[dict | None, di
 
 def measure(tree: Path, args, log: Path) -> dict:
     """One tree: its site up and verified, the burst on, kill -9 the Mac, seconds to up / carries KV / verified."""
-    site = Site(tree, log)
+    site = RunningSite() if args.running else Site(tree, log)
     try:
         s = settings_of(tree)
         mac, token = s.node(args.node), s.auth.node_token()
@@ -156,6 +173,7 @@ def main() -> None:
     p.add_argument("--warm-s", type=float, default=10.0, help="burst seconds before the kill")
     p.add_argument("--max-s", type=float, default=300.0, help="give up this long after the kill")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--running", action="store_true", help="measure the site already up (make site); no baseline")
     p.add_argument("--json")
     args = p.parse_args()
     if args.smoke:
@@ -163,6 +181,8 @@ def main() -> None:
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-fidelity-recover-{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
     runs = []
+    if args.running:
+        args.baseline = None
     for name, tree in (("baseline", args.baseline), ("this tree", ROOT)):
         if tree is None:
             continue

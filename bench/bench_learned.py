@@ -155,9 +155,11 @@ def main() -> None:
     # the split's case: the prompt's KV arrives; the head's prompt state with it (prefill_draft_path) or not
     rows += [measure(eagle, "eagle3", head, ids, n, a.num_draft, bridged) for bridged in (False, True)]
     eagle.stop()
+    eagle.executor.shutdown(wait=True)  # its MLX thread ends first: a live one at exit is std::terminate (rc 134)
     df = node("dflash", untrained_dflash(target, str(tmp / "dflash"), block_size=a.num_draft + 1))
     rows.append(measure(df, "dflash", "untrained", ids, n, a.num_draft))
     df.stop()
+    df.executor.shutdown(wait=True)
     print(state_bytes(head, ids[0]))
     base = rows[0]
     for r in rows:

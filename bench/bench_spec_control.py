@@ -166,6 +166,7 @@ def main() -> None:
               f"equal: {outs == got['off'][1]}")
         for m in (new, old):
             m.stop()
+            m.executor.shutdown(wait=True)  # each MLX thread ends before the interpreter: else std::terminate at exit
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""What bench_split, bench_long and bench_threshold measure: their own embedded stack (the default), or a running site
-from its config (`--config F [--model ID] [--gateway URL]`, run on the gateway's machine): the gateway's URL and a
-client key, a prefill and a decode node of the model with the node token, and the model's tokenizer (the gateway's
-copy). Nothing is started on the site; bench_threshold starts its gateways on this machine, against the site's nodes."""
+"""What bench_split, bench_long, bench_threshold (and the others with `--config`) measure: their own embedded stack (the
+default), or a running site from its config (`--config F [--model ID] [--gateway URL]`, run on the gateway's machine):
+the gateway's URL and a client key, a prefill and a decode node of the model with the node token and KV key, and the
+model's tokenizer (the gateway's copy). Nothing is started on the site; bench_threshold starts its gateways on this
+machine, against the site's nodes."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class Target:
     live: bool = False  # a site measured as it runs (its settings are its own: the bench cannot change them)
     min_disagg_tokens: int = 8  # the model's threshold: a split measurement needs a prompt at least this long
     wire: str = "float32"  # [kv] wire_dtype of the deployment
+    kv_key: bytes | None = None  # what a KV receiver of its prefill nodes checks streams with (None: open)
+    kv_frame_mac: bool = True
 
     def url(self, name: str) -> str:
         return self.urls[name]
@@ -88,7 +91,21 @@ def site(config: Path, model: str | None = None, gateway: str | None = None, api
     urls = {"gateway": gateway or gateway_url(s)} | {k: s.node(v).url for k, v in nodes.items()}
     headers = {"gateway": key.headers, "node": {"Authorization": f"Bearer {token}"} if token else {}}
     return Target(route.id, urls, headers, folder, route.max_model_len, config, nodes, live=True,
-                  min_disagg_tokens=route.min_disagg_tokens, wire=s.kv.wire_dtype)
+                  min_disagg_tokens=route.min_disagg_tokens, wire=s.kv.wire_dtype, kv_key=s.auth.kv_key(),
+                  kv_frame_mac=s.auth.kv_frame_mac)
+
+
+def running_prefill(config: Path, model: str) -> tuple[int, str]:
+    """(port, node secret) of a running stack's first prefill node for `model`, from its config: a bench's own decode
+    node and gateway use it (tests/support/stack.py `Stack(prefill_port=..., node_secret=...)`, this machine)."""
+    from kv_bridge.config.settings import load_config
+
+    s = load_config(config)
+    route = next((m for m in s.models if m.id == model and m.prefill), None)
+    secret = s.auth.secret()
+    if route is None or secret is None:
+        raise SystemExit(f"bench: {config} has no prefill node for {model}, or no node secret")
+    return s.node(route.prefill[0]).port, secret.decode()
 
 
 @contextlib.contextmanager

@@ -42,6 +42,28 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def seed_site(tmp_path_factory):
+    """The seed site as `make site` runs it (tests/support/seed_site.py): test_site_e2e's, and the smoke runs of the
+    benches that measure a running site (bench_site, bench_fidelity_recover). Its users carry the marker `seedsite`
+    and run last (below), so its idle engines are up only for them, and its Ctrl-C is checked at the session's end."""
+    from tests.support.seed_site import running_site
+
+    with running_site(tmp_path_factory.mktemp("site")) as s:
+        yield s
+
+
+def pytest_collection_modifyitems(items):
+    """The `seedsite` tests last, test_site_e2e's before the bench smokes (one kills a Mac and waits until it is
+    verified again): a session fixture stays up from its first user to the session's end. A stable sort."""
+    def rank(item) -> int:
+        if item.get_closest_marker("seedsite") is None:
+            return 0
+        return 2 if item.nodeid.startswith("tests/bench/") else 1
+
+    items.sort(key=rank)
+
+
+@pytest.fixture(scope="session")
 def mlx_ref():
     """(model, tokenizer) loaded by mlx-lm in the test process: the independent MLX reference."""
     from mlx_lm import load

@@ -26,7 +26,7 @@ PRINTS = {
     "bench_burst": r"target = split / \(vllm prefill",
     "bench_class_drafts": r"suffix_class +all +\d+",
     "bench_class_spec": r"\d\.\d+ ?x",
-    "bench_fidelity_recover": r"carries KV",
+    "bench_fidelity_recover": r"this tree +\d+\.\d +\d+\.\d +\d+\.\d +verified",  # back up, carries KV, verified
     "bench_step_cost": r"verify_cost k=1/2/3 at 6k",
     "bench_traffic_check": r"check / prefill \d",
     "bench_concurrency": r"scaling:",
@@ -39,7 +39,7 @@ PRINTS = {
     "bench_kv_memory": r"25k/Mac",
     "bench_link": r"bridge, signed \(per-frame MAC\) +[\d.]+ +[\d.]+ +[\d.]+x",
     "bench_long": r"total \d+ s",
-    "bench_mixed_precision": r"4-bit/float32",
+    "bench_mixed_precision": r"4-bit/\w+ +\d",
     "bench_overlap": r"exposed ms",
     "bench_prefix": r"totals: KV moved",
     "bench_queue_burst": r"max_queued 1",
@@ -51,22 +51,22 @@ PRINTS = {
     "bench_transfer": r"as it is",
     "bench_window": r"ratio \d",
 }
-# Benches that measure a running deployment from its config (`--config`, bench/site_target.py): the session stack
-# stands in for it, which saves a stack start each (their own-stack path, site_target.embedded, is a few lines).
-ON_STACK = {"bench_burst", "bench_concurrency", "bench_long", "bench_queue_burst", "bench_split", "bench_threshold"}
+# Benches that measure a running deployment from its config (`--config`, bench/site_target.py), or use its prefill
+# node under nodes of their own (class_spec, prefix: a decode node and gateway each; mixed_precision, overlap: the
+# prefill node alone): the session stack stands in for it, which saves a vLLM start each (their own-stack path is a
+# few lines over tests/support/stack.py).
+ON_STACK = {"bench_burst", "bench_class_spec", "bench_concurrency", "bench_long", "bench_mixed_precision",
+            "bench_overlap", "bench_prefix", "bench_queue_burst", "bench_split", "bench_threshold"}
+# Benches that measure the seed site (`make site`): `--running` against conftest's seed_site (test_site_e2e's), which
+# saves a site start each; marker seedsite runs them after test_site_e2e, the site still up.
+ON_SITE = {"bench_fidelity_recover", "bench_site"}
 NEEDS_ROOT = {"bench_link"}  # a network namespace and a shaped veth pair
-
-
-# Benches whose smoke run starts a stack of its own (a vLLM engine, MLX nodes and their canaries: 1-2 min each here):
-# `make test-bench` runs them, outside `make test`'s 20 minutes (docs/testing.md).
-OWN_STACK = {"bench_class_spec", "bench_fidelity_recover", "bench_mixed_precision", "bench_overlap", "bench_prefix",
-             "bench_site"}
 
 
 def _param(name: str):
     marks = [] if name in QUICK else [pytest.mark.e2e]
-    if name in OWN_STACK:
-        marks.append(pytest.mark.benchstack)
+    if name in ON_SITE:
+        marks.append(pytest.mark.seedsite)
     return pytest.param(name, marks=marks, id=name)
 
 
@@ -85,16 +85,27 @@ def _shown(r: subprocess.CompletedProcess) -> str:
     return f"rc {r.returncode}\n--- stdout (tail)\n{r.stdout[-3000:]}\n--- stderr (tail)\n{r.stderr[-3000:]}"
 
 
+@pytest.fixture
+def measured(request) -> list[str]:
+    """The arguments that point a smoke run at what it measures beside its own processes: the session stack's config
+    or the seed site, started here (their start counted in the test's setup, not in its run)."""
+    name = request.node.callspec.params["name"]
+    if name in ON_STACK:
+        return ["--config", str(request.getfixturevalue("stack").config)]
+    if name in ON_SITE:
+        request.getfixturevalue("seed_site")
+        return ["--running"]
+    return []
+
+
 @pytest.mark.parametrize("name", [_param(n) for n in BENCHES])
-def test_smoke(name, request):
+def test_smoke(name, measured):
     if name in NEEDS_ROOT and _root_reason():
         pytest.skip(_root_reason())
-    args = ["-m", f"bench.{name}", "--smoke"]
-    if name in ON_STACK:
-        args += ["--config", str(request.getfixturevalue("stack").config)]
-    r = smoke(args, timeout=120 if name in QUICK else 900)
+    r = smoke(["-m", f"bench.{name}", "--smoke", *measured], timeout=120 if name in QUICK else 900)
     assert r.returncode == 0, _shown(r)
     assert re.search(PRINTS.get(name, r"\d\.\d+ ?x"), r.stdout), _shown(r)
+    print(r.stdout[-1500:])  # its measurement, for `pytest -rP` (the figures are the bench's, not the test's)
 
 
 def test_every_bench_has_a_smoke_mode():
@@ -106,7 +117,8 @@ def test_every_bench_has_a_smoke_mode():
 def test_no_bench_starts_a_child_by_its_script_path():
     """A child run as `python bench/x.py` cannot import its siblings in the bench package (issue 52): children are
     started with -m from the repository root."""
-    bad = [n for n in BENCHES if re.search(r"sys\.executable,\s*__file__", (ROOT / "bench" / f"{n}.py").read_text())]
+    argv = re.compile(r"sys\.executable,[^\]\n]*\b__file__")  # [sys.executable, __file__, ...], "-I" before it too
+    bad = [n for n in BENCHES if argv.search((ROOT / "bench" / f"{n}.py").read_text())]
     assert not bad, f"started by script path, not -m: {bad}"
 
 

@@ -1,6 +1,7 @@
 """The seed site on this machine, as `make site` runs it (examples/site-local.toml, backends/site/launch.py): two prefill
 machines with one model each, two decode machines with both, auth on, KV through shaped link relays. One site for
-the module; tests that kill a machine or cut a link wait for it to come back before they end.
+the session (conftest's `seed_site`: these tests and the bench smokes that measure it run last, together); tests that
+kill a machine or cut a link wait for it to come back before they end.
 
 Run under the heavy lock: `flock /tmp/disagg-heavy.lock .venv/bin/python -m pytest -q tests/site/test_site_e2e.py`.
 """
@@ -19,10 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.support import ROOT
-from tests.support.seed_site import CONFIG, GATEWAY, OSS, SMOL, VERDICT, Site, notebook
+from tests.support.seed_site import CONFIG, GATEWAY, OSS, ROLES, SMOL, VERDICT, Site, notebook
 
-pytestmark = pytest.mark.e2e
-ROLES = ["spark-0", "spark-1", "mac-0", "mac-1", "link-mac-0", "link-mac-1", "gateway"]
+pytestmark = [pytest.mark.e2e, pytest.mark.seedsite]
 
 
 def call(site: Site, path: str, body: dict | None = None, timeout: float = 300) -> tuple[int, dict, dict]:
@@ -79,25 +79,10 @@ def resident_bytes(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    s = Site(tmp_path_factory.mktemp("site"))
-    try:
-        yield s
-    finally:
-        groups = {name: s.pid(name) for name in ROLES}
-        rc = s.stop()
-    assert rc == 0, s.output()[-4000:]
-    assert "disagg up: stopped" in s.output()
-    alive = [name for name, pid in groups.items() if _group_alive(pid)]
-    assert not alive, f"Ctrl-C left {alive} running"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def site(seed_site):
+    """conftest's session site (its Ctrl-C and what it must leave checked at the session's end, after the bench
+    smokes that measure it: tests/bench/test_smoke.py)."""
+    return seed_site
 
 
 def test_site_comes_up_within_memory_and_status_sees_it(site):

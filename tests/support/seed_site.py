@@ -3,6 +3,7 @@ models and the grading prompts the lab's app sends: test_site_e2e and bench/benc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 from tests.support import ROOT
 
 CONFIG = ROOT / "examples" / "site-local.toml"
+ROLES = ["spark-0", "spark-1", "mac-0", "mac-1", "link-mac-0", "link-mac-1", "gateway"]
 SMOL, OSS = "smollm2:135m", "gpt-oss:tiny"
 GATEWAY = "http://127.0.0.1:8000"
 RUBRIC = ("You grade a student's notebook against the rubric. Answer with pure JSON only: "
@@ -81,6 +83,29 @@ class Site:
         finally:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_site(folder: Path):
+    """The site up for the block; then Ctrl-C, which must exit 0 having said so and leave no role's process group."""
+    s = Site(folder)
+    try:
+        yield s
+    finally:
+        groups = {name: s.pid(name) for name in ROLES}
+        rc = s.stop()
+    assert rc == 0, s.output()[-4000:]
+    assert "disagg up: stopped" in s.output()
+    alive = [name for name, pid in groups.items() if _group_alive(pid)]
+    assert not alive, f"Ctrl-C left {alive} running"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 # Ollama's format as a JSON schema, bounded: `"json"` alone lets a 135M (or random) model open a string it never
