@@ -349,8 +349,14 @@ async def test_every_decode_node_over_its_kv_cap_waits_then_is_served_or_busy(ma
     assert status == 200
     # The second request must outlast the moments it waits unseen (a loaded machine): the same config object, longer
     c.settings.gateway.queue.max_wait_s = 60
+    refused = await fallbacks(c, "decode_node_busy")
     waiting = asyncio.create_task(c.chat(chat_body(LONG_TEXT, max_tokens=8)))
-    await _queued(c, 1)
+
+    # Refused twice: the second try came from the queue's poll. (Not `queued` in /health: a waiter leaves the list
+    # while it tries, so on a loaded box the poll of /health can miss it for seconds; a clean-clone run did.)
+    async def retried() -> bool:
+        return await fallbacks(c, "decode_node_busy") >= refused + 2
+    await c.wait_for(retried, timeout=60)
     c.decode.mode = None  # its KV freed where the gateway cannot see it: the queue's poll finds it
     status, _, body = await waiting
     assert status == 200, body
