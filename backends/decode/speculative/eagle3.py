@@ -193,8 +193,11 @@ def save_eagle3(head: Eagle3Head, config: dict, path: str) -> str:
     # vLLM reads the dtype from config.json, else from the safetensors metadata (a null one stops its start)
     config = {**config, "torch_dtype": str(head.fc.weight.dtype).removeprefix("mlx.core.")}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(head.parameters())),
-                        metadata={"format": "mlx"})
+    weights = dict(tree_flatten(head.parameters()))
+    # One vocabulary: no d2t (vLLM's head has no such parameter to load it into, and its start fails on it)
+    if (config.get("draft_vocab_size") or config["vocab_size"]) == config["vocab_size"]:
+        weights.pop("d2t", None)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     return str(folder)
 
 

@@ -89,6 +89,19 @@ def test_a_published_layout_head_loads_and_drafts_through_d2t(tmp_path):
         load_eagle3(str(tmp_path / "h"), {**target, "rope_theta": 1e6})
 
 
+def test_a_head_with_the_targets_vocabulary_is_saved_without_d2t_and_loads(tmp_path):
+    """vLLM's Eagle3 head has no d2t parameter when the vocabularies are one, and refuses to start on a file with it
+    (a clean clone's e2e setup error: its untrained head); with a draft vocabulary, d2t is written."""
+    import mlx.core as mx
+
+    target = {**QWEN3_CODER_30B, "hidden_size": 64, "vocab_size": 500, "num_hidden_layers": 6}
+    full = untrained_eagle3(target, str(tmp_path / "full"))
+    assert "d2t" not in mx.load(f"{full}/model.safetensors")
+    assert load_eagle3(full, target).to_target(mx.array([7])).tolist() == [7]
+    small = untrained_eagle3(target, str(tmp_path / "small"), draft_ids=list(range(100, 200)))
+    assert "d2t" in mx.load(f"{small}/model.safetensors")
+
+
 def test_target_args_reads_the_mlx_model(tmp_path):
     from mlx_lm import load
 
