@@ -11,6 +11,7 @@ import pytest
 
 from tests.support import tiny_models
 from tests.support.fakes import Cluster, chat_body
+from tests.support.kv_pairs import drive
 from kv_bridge.fidelity import KL_TOLERANCE, TOLERANCE, FidelityConfig, Verdict, kl_tolerance, tolerance
 
 
@@ -28,15 +29,6 @@ def tiny(request, tmp_path_factory):
     model, _ = load(str(folder))
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 200, 48)]
     return model, ids
-
-
-def _run(gen):
-    """Drive a step generator to its end (what the MLX loop does, step by step)."""
-    while True:
-        try:
-            next(gen)
-        except StopIteration as done:
-            return done.value
 
 
 def _bridged(model, ids, swap=False, transpose=False):
@@ -61,14 +53,14 @@ def test_a_right_kv_compares_within_float32_rounding(tiny):
     from kv_bridge.mlx import fidelity
 
     model, ids = tiny
-    reference = _run(fidelity.prefill(model, ids[:-1], chunk=8))  # chunked, as on the MLX thread
+    reference = drive(fidelity.prefill(model, ids[:-1], chunk=8))  # chunked, as on the MLX thread
     figures = fidelity.compare(_bridged(model, ids[:-1]), reference, model=model)
     layers = figures["layers"]
     assert len(layers) == len(model.layers) and figures["findings"] == []
     worst = max(max(r["k"], r["v"], r["k_max"], r["v_max"]) for r in layers)
     assert worst < TOLERANCE["float32"], layers
     assert {r["tokens"] for r in layers} <= {len(ids) - 1, 16}  # a sliding layer compares its window
-    steps = _run(fidelity.greedy(model, _bridged(model, ids[:-1]), reference, ids[-1], 6))
+    steps = drive(fidelity.greedy(model, _bridged(model, ids[:-1]), reference, ids[-1], 6))
     assert steps["agree"] == steps["steps"] == 6 and steps["kl"] < 1e-4, steps
 
 
@@ -77,13 +69,13 @@ def test_a_wrong_layout_is_far_past_every_tolerance(tiny, fault):
     from kv_bridge.mlx import fidelity
 
     model, ids = tiny
-    reference = _run(fidelity.prefill(model, ids[:-1]))
+    reference = drive(fidelity.prefill(model, ids[:-1]))
     bridged = _bridged(model, ids[:-1], **{fault: True})
     figures = fidelity.compare(bridged, reference, model=model)
     layers = figures["layers"]
     assert max(max(r["k_max"], r["v_max"]) for r in layers) > max(TOLERANCE.values()) * 3, layers
     assert figures["findings"] and figures["worst"] is figures["findings"][0], figures["worst"]
-    steps = _run(fidelity.greedy(model, bridged, reference, ids[-1], 4))
+    steps = drive(fidelity.greedy(model, bridged, reference, ids[-1], 4))
     assert steps["kl"] > 0, steps  # a random tiny model's distributions are near flat: the KV says more here
 
 
@@ -92,7 +84,7 @@ def test_prefill_never_ends_on_a_one_token_step(tiny):
     from kv_bridge.mlx import fidelity
 
     model, ids = tiny
-    cache = _run(fidelity.prefill(model, ids[:17], chunk=8))  # 17 = 8 + 8 + 1
+    cache = drive(fidelity.prefill(model, ids[:17], chunk=8))  # 17 = 8 + 8 + 1
     assert fidelity.compare(cache, _bridged(model, ids[:17]))  # compares: every cache still in temporal order
 
 
