@@ -628,3 +628,17 @@ async def local_cluster(empty_config):
     c = await Cluster(n_prefill=0).start()
     yield c
     await c.stop()
+
+
+async def chat_path(c: "Cluster") -> str:
+    """A 60-word chat through the cluster's gateway: 200, and its x-disagg-path."""
+    status, headers, body = await c.chat(chat_body("x " * 60))
+    assert status == 200, body
+    return headers["x-disagg-path"]
+
+
+async def fidelity_row(c: "Cluster") -> dict:
+    """The cluster's one fidelity pair row from the gateway's /health."""
+    async with c.http.get(c.url + "/health") as r:
+        (row,) = (await r.json())["fidelity"]
+    return row

@@ -13,21 +13,10 @@ from pydantic import ValidationError
 
 from gateway.cluster.fidelity import _backoff
 from kv_bridge.fidelity import FidelityConfig
-from tests.support.fakes import MODEL_ID, Cluster, FakeDecodeNode, FakePrefillNode, chat_body, make_settings
+from tests.support.fakes import (MODEL_ID, Cluster, FakeDecodeNode, FakePrefillNode, chat_body, chat_path, fidelity_row,
+                                 make_settings)
 
 PAIR = {"model": MODEL_ID, "prefill": "prefill-0", "decode": "decode-0"}
-
-
-async def _path(c: Cluster) -> str:
-    status, headers, body = await c.chat(chat_body("x " * 60))
-    assert status == 200, body
-    return headers["x-disagg-path"]
-
-
-async def _row(c: Cluster) -> dict:
-    async with c.http.get(c.url + "/health") as r:
-        (row,) = (await r.json())["fidelity"]
-    return row
 
 
 async def _seen(c: Cluster, up: bool) -> None:
@@ -58,7 +47,7 @@ async def test_a_busy_decode_node_never_demotes_a_verified_pair(cluster, caplog)
     (warn,) = _messages(caplog, logging.WARNING)
     assert "could not be checked (1 in a row)" in warn and "429" in warn and "keeps its verdict (verified" in warn
     cluster.decode.mode = None
-    assert await _path(cluster) == "disaggregated"  # the busy moment passed: the pair never left the split
+    assert await chat_path(cluster) == "disaggregated"  # the busy moment passed: the pair never left the split
     status, _, body = await cluster.post("/fidelity")
     (row,) = body["pairs"]
     assert (row["state"], row["stale"], row["errors"], row["last_error"]) == ("verified", False, 0, None)
@@ -68,11 +57,11 @@ async def test_a_node_back_as_the_same_process_keeps_its_verdict_one_without_a_b
     await cluster.wait_fidelity()
     cluster.decode.down = True  # e.g. health checks unanswered on a loaded Mac
     await _seen(cluster, False)
-    row = await _row(cluster)
+    row = await fidelity_row(cluster)
     assert row["state"] == "verified" and row["stale"] and "a node is down" in row["summary"]
     cluster.decode.down = False
     await _seen(cluster, True)
-    assert await _path(cluster) == "disaggregated" and cluster.decode.canaries == 1
+    assert await chat_path(cluster) == "disaggregated" and cluster.decode.canaries == 1
 
     cluster.decode.boot_id = None  # a node that cannot say who it is: each time it comes up, it is checked again
     cluster.decode.down = True
@@ -91,18 +80,18 @@ async def test_a_changed_kv_configuration_is_verified_again_before_it_carries_kv
     cluster.decode.kv_digest, cluster.decode.kv_dtype = "kv1", "bfloat16"  # reconfigured, same boot id (a test)
 
     async def noticed() -> bool:  # and its canary started
-        return (await _row(cluster))["state"] == "checking"
+        return (await fidelity_row(cluster))["state"] == "checking"
     await cluster.wait_for(noticed)
-    row = await _row(cluster)
+    row = await fidelity_row(cluster)
     assert not row["usable"] and "decode-0's KV configuration changed (dtype float32 -> bfloat16)" in row["reverify"]
     assert await cluster.metric("disagg_kv_fidelity", **PAIR) == -1
-    assert await _path(cluster) == "local"
+    assert await chat_path(cluster) == "local"
     assert any("KV configuration changed (dtype float32 -> bfloat16)" in m and "checked again before it carries KV" in m
                for m in _messages(caplog, logging.WARNING))
     hold.set()
     (row,) = await cluster.wait_fidelity()
     assert row["state"] == "verified" and row["usable"] and cluster.decode.canaries == 2
-    assert await _path(cluster) == "disaggregated"
+    assert await chat_path(cluster) == "disaggregated"
 
     cluster.decode.boot_id, cluster.decode.kv_dtype = "b2" * 16, "float16"  # restarted with another KV dtype
 
@@ -128,7 +117,7 @@ async def test_a_failed_pair_is_retried_with_backoff_and_comes_back_when_right(e
         async def retried() -> bool:
             return c.decode.canaries >= 3
         await c.wait_for(retried)
-        row = await _row(c)
+        row = await fidelity_row(c)
         assert row["state"] == "failed" and not row["usable"] and row["next_check_s"] is not None
         (warn,) = _messages(caplog, logging.WARNING)  # once when it fell, not once per retry
         assert "FAILED: K layer 3 rel. error 1.7" in warn and "prefill on decode-0 instead" in warn
@@ -136,9 +125,9 @@ async def test_a_failed_pair_is_retried_with_backoff_and_comes_back_when_right(e
         c.decode.fidelity_error = 1e-5  # fixed (a node's fault mended without a restart)
 
         async def verified() -> bool:
-            return (await _row(c))["state"] == "verified"
+            return (await fidelity_row(c))["state"] == "verified"
         await c.wait_for(verified)
-        assert await _path(c) == "disaggregated"
+        assert await chat_path(c) == "disaggregated"
         assert any("verified again (it had failed)" in m for m in _messages(caplog, logging.INFO))
     finally:
         await c.stop()
@@ -153,7 +142,7 @@ async def test_errors_have_their_own_gauge_value_and_alert_when_repeated(empty_c
         async def alerted() -> bool:
             return bool(_messages(caplog, logging.ERROR))
         await c.wait_for(alerted)
-        row = await _row(c)
+        row = await fidelity_row(c)
         assert row["state"] == "error" and not row["usable"] and row["errors"] >= 2
         assert await c.metric("disagg_kv_fidelity", **PAIR) == -2  # not -1: pending is another state
         assert await c.metric("disagg_kv_fidelity_errors", **PAIR) >= 2
@@ -163,7 +152,7 @@ async def test_errors_have_their_own_gauge_value_and_alert_when_repeated(empty_c
         c.decode.mode = None
 
         async def verified() -> bool:
-            return (await _row(c))["state"] == "verified"
+            return (await fidelity_row(c))["state"] == "verified"
         await c.wait_for(verified)
         assert await c.metric("disagg_kv_fidelity_errors", **PAIR) == 0
     finally:
@@ -182,11 +171,11 @@ async def test_a_verified_pair_is_checked_again_every_recheck_s_and_stays_usable
         hold.clear()  # the next re-check hangs: the pair goes on meanwhile
 
         async def checking() -> bool:
-            return (await _row(c))["checking"]
+            return (await fidelity_row(c))["checking"]
         await c.wait_for(checking)
-        row = await _row(c)
+        row = await fidelity_row(c)
         assert row["state"] == "verified" and row["usable"]
-        assert await _path(c) == "disaggregated"
+        assert await chat_path(c) == "disaggregated"
         hold.set()
     finally:
         await c.stop()
@@ -203,7 +192,7 @@ async def test_an_override_decides_with_its_reason_shown(empty_config, caplog, u
         (row,) = await c.wait_fidelity()
         assert row["state"] == ("failed" if usable else "verified")  # the canary still runs and is shown
         assert row["usable"] is usable and row["override"] == {"usable": usable, "reason": reason}
-        assert await _path(c) == ("disaggregated" if usable else "local")
+        assert await chat_path(c) == ("disaggregated" if usable else "local")
         assert await c.metric("disagg_kv_fidelity_usable", **PAIR) == (1 if usable else 0)
         warns = _messages(caplog, logging.WARNING)
         assert any("overridden" in m and reason in m for m in warns)
@@ -234,7 +223,7 @@ async def test_a_figure_measured_across_a_node_change_is_not_taken(cluster, capl
     cluster.decode.kv_digest = "kv1"
 
     async def checking() -> bool:
-        return (await _row(cluster))["state"] == "checking"
+        return (await fidelity_row(cluster))["state"] == "checking"
     await cluster.wait_for(checking)
     cluster.decode.boot_id = "another-process"
 
@@ -245,7 +234,7 @@ async def test_a_figure_measured_across_a_node_change_is_not_taken(cluster, capl
     hold.set()
 
     async def verified() -> bool:
-        return (await _row(cluster))["state"] == "verified"
+        return (await fidelity_row(cluster))["state"] == "verified"
     await cluster.wait_for(verified)
     assert cluster.decode.canaries == 3  # the first, the one across the restart (not taken), the new process's
     assert any("a node changed while the canary ran" in m for m in _messages(caplog, logging.INFO))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from tests.support.fakes import MODEL_ID, Cluster, chat_body
+from tests.support.fakes import MODEL_ID, Cluster, chat_body, chat_path, fidelity_row
 
 PAIR = {"model": MODEL_ID, "prefill": "prefill-0", "decode": "decode-0"}
 
@@ -34,24 +34,12 @@ async def test_a_request_whose_kv_failed_the_check_falls_back_and_demotes_the_pa
     assert status == 200 and headers["x-disagg-path"] == "local"  # demoted: no KV until the canary verifies again
 
 
-async def _path(c: Cluster) -> str:
-    status_, headers, body = await c.chat(chat_body("x " * 60))
-    assert status_ == 200, body
-    return headers["x-disagg-path"]
-
-
-async def _row(c: Cluster) -> dict:
-    async with c.http.get(c.url + "/health") as r:
-        (row,) = (await r.json())["fidelity"]
-    return row
-
-
 async def _traffic_failure(c: Cluster) -> dict:
     c.decode.mode = "kv_fidelity"
     status, headers, _ = await c.chat(chat_body("x " * 60))
     assert status == 200 and headers["x-disagg-fallbacks"] == "kv_fidelity"
     c.decode.mode = None
-    return await _row(c)
+    return await fidelity_row(c)
 
 
 async def test_a_traffic_demotion_outlasts_the_backoff_and_short_canaries_and_an_operator_lifts_it(empty_config,
@@ -74,15 +62,15 @@ async def test_a_traffic_demotion_outlasts_the_backoff_and_short_canaries_and_an
         async def short_canaries_ran() -> bool:
             return c.decode.canaries >= canaries + 1 and any("not in the long form" in m for m in caplog.messages)
         await c.wait_for(short_canaries_ran)
-        row = await _row(c)
+        row = await fidelity_row(c)
         assert (row["state"], row["usable"], row["demoted_by"]) == ("failed", False, "traffic"), row["summary"]
         assert c.decode.canary_bodies[-1]["long"] is True  # it was asked for the long form
-        assert await _path(c) == "local"
+        assert await chat_path(c) == "local"
         status_, _, body = await c.post("/fidelity")  # the operator
         (row,) = body["pairs"]
         assert (row["state"], row["usable"], row["hold"], row["demoted_by"]) == ("verified", True, None, None)
         assert any("lifted by an operator's re-check" in m for m in caplog.messages)
-        assert await _path(c) == "disaggregated"
+        assert await chat_path(c) == "disaggregated"
     finally:
         await c.stop()
 
@@ -94,10 +82,10 @@ async def test_a_long_canary_repromotes_after_the_hold_and_a_second_failure_doub
         assert row["hold"]["hold_s"] == 0.3 and await c.metric("disagg_kv_fidelity_hold_seconds", **PAIR) > 0
 
         async def repromoted() -> bool:
-            return (await _row(c))["state"] == "verified"
+            return (await fidelity_row(c))["state"] == "verified"
         await c.wait_for(repromoted)
-        assert c.decode.canary_bodies[-1]["long"] is True and (await _row(c))["long"]
-        assert await _path(c) == "disaggregated"
+        assert c.decode.canary_bodies[-1]["long"] is True and (await fidelity_row(c))["long"]
+        assert await chat_path(c) == "disaggregated"
         row = await _traffic_failure(c)
         assert (row["state"], row["hold"]["count"], row["hold"]["hold_s"]) == ("failed", 2, 0.6)
         assert "2 times in a row: its hold doubled" in row["summary"]
