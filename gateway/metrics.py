@@ -21,8 +21,9 @@ FALLBACK_REASONS = ("decode_node_failed", "decode_node_busy", "decode_failover",
                     "kv_timeout", "kv_error", "kv_aborted", "kv_fidelity", "upstream", "no_capacity")
 # Why a prefill call failed (disagg_prefill_failures_total{node,kind}): unreachable (no connection), refused (an
 # HTTP error answer), broken (the call dropped midway), node_down (health checks marked it down during the call),
-# stalled (the node answered no prefill call for [gateway] prefill_stall_s while this one ran).
-PREFILL_FAILURES = ("unreachable", "refused", "broken", "node_down", "stalled")
+# stalled (the node answered no prefill call for [gateway] prefill_stall_s while this one ran), kv_not_delivered (the
+# node computed the prompt but its KV stream to the decode node never opened: HTTP 502 from kv_bridge/send_status.py).
+PREFILL_FAILURES = ("unreachable", "refused", "broken", "node_down", "stalled", "kv_not_delivered")
 AFFINITY_OUTCOMES = ("hit", "miss", "skipped")  # skipped: the remembered node was down, full or too busy
 
 UNKNOWN_MODEL = "unknown"  # label for requests that never named a configured model

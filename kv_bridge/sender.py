@@ -69,8 +69,10 @@ class KVSender:
     writer_cls: type = None  # _Writer (set below); a profiler may substitute a subclass
 
     def __init__(self, max_bytes: int = 1 << 30, connect_timeout_s: float = 5.0, key: bytes | None = None,
-                 frame_mac: bool = True, send_timeout_s: float = 10.0):
+                 frame_mac: bool = True, send_timeout_s: float = 10.0,
+                 status: Callable[[str, str | None], None] | None = None):
         self._timeouts = (connect_timeout_s, send_timeout_s)
+        self._status = status  # told each stream's opening: (transfer id, None) or (transfer id, why it could not)
         self._key, self._frame_mac = key, frame_mac
         self.stats = SenderStats()
         self._max_bytes = max_bytes  # per destination
@@ -205,6 +207,8 @@ class _Writer:
             st.sock.settimeout(send_s)  # a receiver that stops reading fails this stream, not the others
         except (OSError, wire.WireError) as e:
             self._fail(st, hdr.transfer_id, f"cannot open KV stream to {host}:{port}: {e}")
+        if self.s._status is not None:
+            self.s._status(hdr.transfer_id, st.failed)
         return st
 
     def _write(self, st: _Stream, tid: str, batches) -> None:

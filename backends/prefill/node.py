@@ -22,11 +22,13 @@ from kv_bridge.config.models import ModelRoute, resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
 from kv_bridge.fingerprint import model_fingerprint, model_quantization, weight_precision
+from kv_bridge.send_status import StatusListener
 
 log = logging.getLogger(__name__)
 
 
-def engine_args(settings: Settings, route: ModelRoute, utilization: float | None = None):
+def engine_args(settings: Settings, route: ModelRoute, utilization: float | None = None,
+                status_socket: str | None = None):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -54,7 +56,7 @@ def engine_args(settings: Settings, route: ModelRoute, utilization: float | None
             kv_connector="DisaggConnector",
             kv_connector_module_path="kv_bridge.vllm.connector",
             kv_role="kv_producer",
-            kv_connector_extra_config=connector_config(settings),
+            kv_connector_extra_config=connector_config(settings, status_socket),
         ),
     )
 
@@ -81,11 +83,14 @@ def warn_slow_cpu_dtype(dtype: str) -> None:
         log.warning("[prefill] dtype %s: %s; set [prefill] dtype = \"float32\" on this host", dtype, why)
 
 
-def connector_config(settings: Settings) -> dict:
-    """The connector's kv_connector_extra_config; it carries the KV key derived from the node secret, not the secret."""
+def connector_config(settings: Settings, status_socket: str | None = None) -> dict:
+    """The connector's kv_connector_extra_config; it carries the KV key derived from the node secret, not the secret,
+    and where the sender tells the node which streams never opened (kv_bridge/send_status.py)."""
     kv, key = settings.kv, settings.auth.kv_key()
     extra = {"sender_bytes": kv.sender_bytes, "connect_timeout_s": kv.connect_timeout_s,
              "send_timeout_s": kv.send_timeout_s, "wire_dtype": kv.wire_dtype}
+    if status_socket:
+        extra["status_socket"] = status_socket
     if key is not None:
         extra.update(kv_auth_key=key.hex(), kv_frame_mac=settings.auth.kv_frame_mac)
     return extra
@@ -101,6 +106,7 @@ class PrefillService:
         self.engines: dict[str, object] = {}
         self.max_len: dict[str, int] = {}
         self._identity: dict[str, dict] = {}
+        self.kv_status = StatusListener()
 
     async def start(self, app: web.Application) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -110,14 +116,16 @@ class PrefillService:
         p = self.settings.prefill  # on a GPU: waits (never exits) until vLLM's ask fits what is free
         util = await utilization_to_start(p.gpu_memory_utilization, len(self.routes), p.drop_page_cache,
                                           p.min_gpu_memory_utilization)
+        await self.kv_status.start()
         for mid, route in self.routes.items():
-            self.engines[mid] = AsyncLLM.from_engine_args(engine_args(self.settings, route, util))
+            self.engines[mid] = AsyncLLM.from_engine_args(engine_args(self.settings, route, util, self.kv_status.path))
             self.max_len[mid] = route.max_model_len
             log.info("prefill node %s: model %s loaded", self.node.name, mid)
 
     async def stop(self, app: web.Application) -> None:
         for eng in self.engines.values():
             eng.shutdown()
+        self.kv_status.close()
 
     def health(self) -> dict:
         return {"role": "prefill", "models": list(self.routes),
@@ -182,6 +190,11 @@ class PrefillService:
                                 allowed_token_ids=[nxt] if head else None)
         t0 = time.perf_counter()
         out = await self._run(engine, ids, params, f"prefill-{rid}")
+        # a stream whose HEADER never crossed: the decode node cannot tell it died; the caller aborts the transfer
+        why = await self.kv_status.failure(rid, self.settings.kv.connect_timeout_s + 1.0)
+        if why is not None:
+            raise NodeError(502, f"the KV of {rid} did not reach {target['host']}:{target['port']}: {why}",
+                            "kv_not_delivered")
         return web.json_response({"request_id": rid, "num_tokens": len(ids), "prefill_s": time.perf_counter() - t0,
                                   "cached_tokens": int(getattr(out, "num_cached_tokens", None) or 0)})
 

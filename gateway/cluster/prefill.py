@@ -159,7 +159,7 @@ class PrefillCall:
                         self._rates.prefill_call_done(node.name, tokens, t0, time.monotonic())
                     return None, False
                 failure = f"HTTP {resp.status}: {await error_text(resp)}"
-                failures.labels(node.name, "refused").inc()
+                failures.labels(node.name, "kv_not_delivered" if resp.status == 502 else "refused").inc()
                 if resp.status == 503:
                     self._client.pool.mark(node, False, f"prefill call answered {failure}")
                 return failure, resp.status == 503

@@ -14,6 +14,7 @@ import torch
 from kv_bridge import wire
 from kv_bridge.families import check_vllm_hf_config
 from kv_bridge.fingerprint import kv_spec
+from kv_bridge.send_status import StatusSink
 from kv_bridge.sender import KVSender
 from kv_bridge.vllm.checks import check_cache_spec, rank_heads
 from kv_bridge.vllm.extract import Extractor, Span, wire_dtype_for
@@ -37,6 +38,7 @@ class WorkerSide:
         self._sender_bytes = int(extra.get("sender_bytes", 1 << 30))
         self._timeouts = (float(extra.get("connect_timeout_s", 5.0)), float(extra.get("send_timeout_s", 10.0)))
         self._wire_option = str(extra.get("wire_dtype", "auto"))
+        self._status_path = extra.get("status_socket")  # the prefill node's (kv_bridge/send_status.py)
         # The KV key (derived from the node secret by backends/prefill/node.py, never the secret itself)
         key = extra.get("kv_auth_key")
         self._kv_key = bytes.fromhex(key) if key else None
@@ -105,8 +107,9 @@ class WorkerSide:
         beyond = {i for i in self._layer_index.values() if i >= spec["num_layers"]}
         self._draft_layers = len(beyond) if draft_layers is None else draft_layers
         self._layers = {name: layer for name, (_, layer) in layers.items()}
+        status = StatusSink(self._status_path) if self._status_path else None  # the node hears which never opened
         self.sender = KVSender(self._sender_bytes, self._timeouts[0], self._kv_key, self._frame_mac,
-                               send_timeout_s=self._timeouts[1])
+                               send_timeout_s=self._timeouts[1], status=status)
 
     def _spec_of(self, name: str):
         for group in getattr(self._kv_cache_config, "kv_cache_groups", None) or ():

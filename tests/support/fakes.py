@@ -50,8 +50,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": None}},
+def _error(status: int, message: str, code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": code}},
                              status=status)
 
 
@@ -335,7 +335,8 @@ def fake_logprobs(body: dict, i: int, tid: int) -> dict:
 
 
 class FakePrefillNode(FakeNode):
-    """fail: None, "http" (answer 500), or "hang" (never answer). `seconds_per_token`: each call computes for that long
+    """fail: None, "http" (answer 500), "kv" (502 kv_not_delivered, as a node whose KV stream never opened answers,
+    having sent nothing), or "hang" (never answer). `seconds_per_token`: each call computes for that long
     per prompt token, one call at a time like a saturated engine (`running`/`max_running`: calls inside it)."""
 
     role = "prefill"
@@ -374,6 +375,9 @@ class FakePrefillNode(FakeNode):
             return _error(503, "loading")
         if self.fail == "http":
             return _error(500, "fake prefill failure")
+        if self.fail == "kv":
+            return _error(502, f"the KV of {body['request_id']} did not reach its decode node: cannot open KV stream",
+                          "kv_not_delivered")
         if self.fail == "hang":
             await asyncio.sleep(3600)
         if not canary:

@@ -192,14 +192,18 @@ async def test_prefill_node_marked_down_mid_call_falls_back_at_once(empty_config
         await c.stop()
 
 
-async def test_refused_prefill_still_falls_back_at_once(empty_config):
+@pytest.mark.parametrize("fail, kind", [("http", "refused"), ("kv", "kv_not_delivered")])
+async def test_refused_prefill_still_falls_back_at_once(empty_config, fail, kind):
+    """An HTTP error, or the node's word that its KV stream never opened (the decode node, which saw no HEADER, cannot
+    tell): the transfer is aborted at once, not waited out."""
     c = await Cluster().start()
     try:
         c.decode.kv_timeout_s = 60.0
-        c.prefill.fail = "http"
+        c.prefill.fail = fail
         status, headers, _ = await asyncio.wait_for(c.chat(body()), 10)
         assert (status, headers["x-disagg-path"]) == (200, "fallback")
-        assert await c.metric("disagg_prefill_failures_total", node="prefill-0", kind="refused") == 1
+        assert headers["x-disagg-fallbacks"] == "prefill_node_failed,kv_aborted"
+        assert await c.metric("disagg_prefill_failures_total", node="prefill-0", kind=kind) == 1
     finally:
         await c.stop()
 
