@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -49,9 +50,10 @@ class _Protocol(asyncio.DatagramProtocol):
 class StatusListener:
     """Node side: the outcome of each transfer's stream as the sender tells it; the path goes to the connector."""
 
-    def __init__(self, folder: str | None = None):
-        name = f"disagg-kv-status-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
-        self.path = os.path.join(folder or tempfile.gettempdir(), name)
+    def __init__(self):
+        name = f"disagg-kv-status-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Linux's abstract namespace: no file to clean up, no TMPDIR long enough to pass AF_UNIX's 108 bytes
+        self.path = "\0" + name if sys.platform.startswith("linux") else os.path.join(tempfile.gettempdir(), name)
         self._outcomes: dict[str, tuple[float, str | None]] = {}  # tid -> (when, first error or None: it opened)
         self._waiting: dict[str, asyncio.Event] = {}
         self._transport = None
@@ -63,10 +65,11 @@ class StatusListener:
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        if not self.path.startswith("\0"):
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
 
     def record(self, tid: str, error: str | None) -> None:
         """The first word on a stream decides (with several ranks, any one that opened gave the decode node its

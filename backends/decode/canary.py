@@ -81,7 +81,7 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
     from kv_bridge.mlx import fidelity
     from kv_bridge.mlx.cache import append_kv, build_prompt_cache, quantize
 
-    t0, wire, head_kv = time.perf_counter(), kv.wire_dtype, _draft_kv(m, kv, prefix)
+    t0, wire, head_kv, sent_from = time.perf_counter(), kv.wire_dtype, _draft_kv(m, kv, prefix), kv.layer_first
     try:
         if prefix:
             held = yield from fidelity.prefill(m.model, ids[:prefix], chunk=prefix)
@@ -91,7 +91,8 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
     finally:
         kv.release()
     reference = yield from fidelity.prefill(m.model, ids[:-1], chunk=len(ids))
-    out = {**fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix, band=band),
+    out = {**fidelity.compare(bridged, reference, wire, weights, model=m.model, start=prefix, band=band,
+                              sent_from=sent_from),
            "weights": weights, "greedy": None, "kl": None, "allowance": allowance, "gain_band": band is not None}
     if head_kv is not None:  # the head's layer, judged as one more layer; a wrong one costs drafts, not answers
         yield
@@ -100,7 +101,7 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
             log.warning("canary of %s: the prefill node's EAGLE-3 head KV differs from this node's head: %s",
                         m.model_id, out["draft"]["findings"][0]["what"])
     if allowance is not None or measure:
-        out.update(canary_allowance.measure(bridged, reference, wire))
+        out.update(canary_allowance.measure(bridged, reference, wire, sent_from, prefix))
     if weights == "full":
         yield
         quantize(bridged, m.kv_bits, m.kv_group_size)

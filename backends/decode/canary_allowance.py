@@ -10,14 +10,14 @@ PAST_WIRE = "rel. RMS past the wire"  # a head's rel. RMS less WIRE_FACTOR x the
 MAGNITUDE = ("rel. RMS", PAST_WIRE)  # the metrics that read the error's size alone, not where or at what scale
 
 
-def measure(bridged: list, reference: list, wire: str) -> dict:
+def measure(bridged: list, reference: list, wire: str, sent_from=None, start: int = 0) -> dict:
     """MLX thread, after the comparison: the rel. RMS allowance this canary needs, its worst head's (relative RMS
     minus WIRE_FACTOR x the wire's own on the same KV, as the metric's tolerance is built) ->
     {"excess": value, "excess_at": {"tensor", "layer", "head", "value"}}."""
     from kv_bridge.mlx.fidelity import held_pairs
     from kv_bridge.mlx.fidelity_metric import WIRE_FACTOR, head_stats, wire_encode
 
-    got, ref = held_pairs(bridged, reference)
+    got, ref = held_pairs(bridged, reference, sent_from, start)  # a sliding layer: the window that crossed
     worst = {"tensor": None, "layer": None, "head": None, "value": -np.inf}
     for li, (b, r) in enumerate(zip(got, ref)):
         for t in ("k", "v"):

@@ -55,8 +55,11 @@ def _f32(a: mx.array, idx: np.ndarray) -> np.ndarray:
     return np.array(a[0][:, mx.array(idx)].astype(mx.float32))
 
 
-def held_pairs(bridged: list, reference: list) -> tuple[list[dict], list[dict]]:
-    """Per layer {"k", "v"} (H, n, D) float32 of each cache over the n positions both hold, in temporal order."""
+def held_pairs(bridged: list, reference: list, sent_from=None, start: int = 0) -> tuple[list[dict], list[dict]]:
+    """Per layer {"k", "v"} (H, n, D) float32 of each cache over the n positions both hold, in temporal order.
+    `sent_from` (the received KV's first position per layer) past `start` marks a sliding layer whose window is all
+    that crossed: a held prefix with KV appended (append_kv) holds placeholders before it, which no decode step
+    attends to (mlx-lm trims them first), so only the window is compared."""
     if len(bridged) != len(reference):
         raise ValueError(f"bridged cache has {len(bridged)} layers, MLX's own {len(reference)}")
     got, ref = [], []
@@ -66,6 +69,8 @@ def held_pairs(bridged: list, reference: list) -> tuple[list[dict], list[dict]]:
         if bo != ro:
             raise ValueError(f"layer {i}: bridged cache is at offset {bo}, MLX's own at {ro}")
         n = min(bk.shape[2], rk.shape[2])
+        if sent_from is not None and int(sent_from[i]) > start:
+            n = min(n, bo - int(sent_from[i]))
         bi, ri = _positions(n, bk.shape[2], keep), _positions(n, rk.shape[2], keep)
         got.append({"k": _f32(bk, bi), "v": _f32(bv, bi)})
         ref.append({"k": _f32(rk, ri), "v": _f32(rv, ri)})
@@ -85,14 +90,14 @@ def rope_shift(model):
 
 
 def compare(bridged: list, reference: list, wire: str = "float32", weights: str = "full", chunk: int | None = None,
-            model=None, start: int = 0, band: list[dict] | None = None) -> dict:
+            model=None, start: int = 0, band: list[dict] | None = None, sent_from=None) -> dict:
     """The canary's figures (kv_bridge/mlx/fidelity_metric.py): {"layers", "findings", "worst"} over the positions
     both caches hold; `wire` the wire dtype, `weights` the decode model's weight precision, `chunk` the prefill
     step's tokens (one fp8 scale each), `model` for its RoPE (the positions test), `start` the held prefix, `band`
-    the pair's calibrated gain band."""
+    the pair's calibrated gain band, `sent_from` the received KV's first position per layer (held_pairs)."""
     from kv_bridge.mlx.fidelity_metric import judge
 
-    got, ref = held_pairs(bridged, reference)
+    got, ref = held_pairs(bridged, reference, sent_from, start)
     return judge(got, ref, wire, weights, chunk, rope_shift(model) if model is not None else None, start, band)
 
 

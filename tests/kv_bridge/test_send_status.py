@@ -31,9 +31,9 @@ def _dropping_link() -> tuple[socket.socket, threading.Thread]:
     return srv, t
 
 
-def test_each_stream_says_whether_it_opened(tmp_path):
+def test_each_stream_says_whether_it_opened():
     async def go():
-        status = StatusListener(str(tmp_path))
+        status = StatusListener()
         await status.start()
         sender = KVSender(max_bytes=1 << 20, connect_timeout_s=2.0, status=StatusSink(status.path))
         rx = KVReceiver(KVConfig())
@@ -56,12 +56,11 @@ def test_each_stream_says_whether_it_opened(tmp_path):
     assert ok is None
     assert nobody is not None and "cannot open KV stream" in nobody and "refused" in nobody.lower()
     assert cut is not None and "cannot open KV stream" in cut
-    assert not any(tmp_path.iterdir()), "the listener's socket file outlived close()"
 
 
-def test_nothing_told_is_no_verdict_and_a_late_word_is_kept(tmp_path):
+def test_nothing_told_is_no_verdict_and_a_late_word_is_kept():
     async def go():
-        status = StatusListener(str(tmp_path))
+        status = StatusListener()
         await status.start()
         try:
             silent = await status.failure("queued", 0.2)  # its stream still waits behind another transfer

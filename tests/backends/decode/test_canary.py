@@ -127,3 +127,43 @@ def test_a_gain_band_of_another_form_is_refused_at_the_door():
     for bad in ([], [{"k": [[0.9]], "v": []}], [{"k": [[0.9], [1.0, 1.1]], "v": [[0.8], [1.0]]}], "band"):
         with pytest.raises(NodeError, match="gain_band must be"):
             _band(bad)
+
+
+@pytest.fixture(scope="module")
+def oss_model(tmp_path_factory):
+    """A tiny gpt_oss whose sliding layers hold 16 tokens (mlx-lm RotatingKVCache), its weights the same both sides."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from tests.support import tiny_models
+
+    folder = tiny_models.build("gpt_oss", tmp_path_factory.mktemp("oss") / "m", window=16)
+    model, _ = load(str(folder))
+    return SimpleNamespace(model=model, dtype=mx.float32, kv_bits=None, kv_group_size=64, path=str(folder))
+
+
+def _windowed(model, ids, start, swap=False):
+    """KV of ids[start:] as a prefill node sends it for a sliding-window model: a sliding layer only its window (the
+    receiver's placeholders, zeros, before it: ReceivedKV.layer_first says where it starts)."""
+    k, v = (np.ascontiguousarray(a[:, :, start:]) for a in own_kv(model, ids))
+    total, window = len(ids), model.args.sliding_window
+    sliding = [i for i, t in enumerate(model.args.layer_types) if t == "sliding_attention"]
+    first = np.array([max(start, total - window) if i in sliding else start for i in range(k.shape[0])])
+    for i in sliding:
+        k[i, :, :first[i] - start] = 0
+        v[i, :, :first[i] - start] = 0
+    return received(*((v, k) if swap else (k, v)), start, "float8_e4m3", chunk=32, first=first)
+
+
+def test_a_held_prefix_with_a_sliding_windows_kv_appended_verifies_and_a_wrong_one_fails(oss_model):
+    """The prefix round on a sliding-window model (the seed site's gpt-oss:tiny after a restart): the window's
+    placeholders the append leaves (no step attends to them) are not compared, so the right KV verifies, decodes
+    as MLX alone does, and a swapped one still fails."""
+    from backends.decode.canary import run, verdict
+
+    ids = [int(t) for t in np.random.default_rng(6).integers(3, 3000, 160)]
+    out = drive(run(oss_model, ids, _windowed(oss_model.model, ids[:-1], 80), 6, 80))
+    v = verdict("m", "decode-0", "float32", "float8_e4m3", len(ids) - 1, out)
+    assert v.state == "verified" and v.findings == [] and out["greedy"] == "6/6", v.summary()
+    out = drive(run(oss_model, ids, _windowed(oss_model.model, ids[:-1], 80, swap=True), 3, 80))
+    assert verdict("m", "decode-0", "float32", "float32", len(ids) - 1, out).state == "failed"
