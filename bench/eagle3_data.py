@@ -15,9 +15,10 @@ import numpy as np
 
 from backends.grading import spec_class
 
-# Never trained on: bench/bench_learned.py's prose prompts and the class replay's own class (make_class's seed 0);
-# the grading prompts here draw their notebooks from seeds from GRADING_SEED on.
+# Never trained on: bench/bench_learned.py's prose prompts, nor any prompt on their subjects (`near_held_out`), and
+# the class replay's own class (make_class's seed 0): the grading prompts here draw notebooks from GRADING_SEED on.
 GRADING_SEED = 1000
+HELD_OUT_SUBJECTS = ("sky", "water cycle", "compiler", "exercise")
 _TOPICS = ["rain forms", "a bicycle's gears work", "bread rises", "the moon has phases", "a vaccine trains the body",
            "interest on a loan grows", "a refrigerator keeps food cold", "plants make sugar from light",
            "volcanoes erupt", "a battery stores energy", "an election counts votes", "bees make honey",
@@ -56,6 +57,11 @@ def prompts(n_prose: int, n_grading: int, seed: int = 0) -> list[dict]:
         role = "analysis" if i % 4 == 3 else "feedback"
         out.append({"kind": role, "text": spec_class.prompt(role, nb)})
     return out
+
+
+def near_held_out(text: str) -> bool:
+    """A prose prompt on the subject of one of bench_learned's (the grading prompts share only the rubric)."""
+    return not text.startswith(spec_class.RUBRIC) and any(w in text.lower() for w in HELD_OUT_SUBJECTS)
 
 
 def _batches(ids: list[list[int]], size: int):
@@ -114,7 +120,7 @@ def load_torch(model_path: str):
     return model, AutoTokenizer.from_pretrained(model_path)
 
 
-def target_states(model, rows: list[dict], layers: list[int], context: int, batch: int = 4, log=print) -> list[dict]:
+def target_states(model, rows: list[dict], layers: list[int], context: int, batch: int = 2, log=print) -> list[dict]:
     """Per row, prompt + answer cut to the last `context` prompt tokens: tokens (T,), the states at `layers` (HF's
     hidden_states indices, as HiddenTap's points) (T, len(layers) * H) float16, the target's greedy next token at each
     position (T,), and `start`, the first answer position. Right-padded batches: causal, so padding changes nothing."""
@@ -126,10 +132,12 @@ def target_states(model, rows: list[dict], layers: list[int], context: int, batc
     for pick in _batches(seqs, batch):
         width = max(len(seqs[i]) for i in pick)
         x = torch.tensor([seqs[i] + [0] * (width - len(seqs[i])) for i in pick])
-        with torch.no_grad():
-            o = model(x, output_hidden_states=True)
+        with torch.no_grad():  # the base model, then the logits a chunk at a time: (B, T, 49152) float32 is GBs
+            o = model.model(x, output_hidden_states=True)
+            head = model.get_output_embeddings()
+            greedy = torch.cat([head(h).argmax(-1) for h in o.last_hidden_state.split(256, dim=1)], dim=1)
         aux = torch.cat([o.hidden_states[p] for p in layers], dim=-1).half().numpy()
-        greedy = o.logits.argmax(-1).numpy().astype(np.int32)
+        greedy = greedy.numpy().astype(np.int32)
         for j, i in enumerate(pick):
             start, end = len(rows[i]["prompt"]), len(seqs[i])
             lo = max(0, start - context)

@@ -23,11 +23,13 @@ DEFAULT_OUT = ROOT / "models" / "smollm2-135m-eagle3"
 
 
 def draft_vocab(train: list[dict], vocab: int, size: int):
-    """(draft ids: the `size` most frequent greedy tokens of the answers, sorted; t2d: target id -> draft id or -1)."""
-    counts = np.zeros(vocab, dtype=np.int64)
+    """(draft ids: the `size` most frequent greedy tokens of the answers, then of the prompts, sorted; t2d: target id
+    -> draft id or -1; the share of the answers' tokens the draft ids cover)."""
+    counts, prompt = np.zeros(vocab, dtype=np.int64), np.zeros(vocab, dtype=np.int64)
     for s in train:
         np.add.at(counts, s["greedy"][s["start"]:], 1)
-    ids = np.sort(np.argsort(-counts, kind="stable")[:size])
+        np.add.at(prompt, s["greedy"][:s["start"]], 1)
+    ids = np.sort(np.lexsort((-prompt, -counts))[:size])  # answers first; the prompts' tokens fill the rest
     t2d = np.full(vocab, -1, dtype=np.int64)
     t2d[ids] = np.arange(len(ids))
     return ids, t2d, counts[ids].sum() / max(counts.sum(), 1)
@@ -48,10 +50,11 @@ def step_loss(head, embed, s: dict, t2d, steps: int, decay: float = 0.8):
     for j, lg in enumerate(logits, 1):
         q = torch.arange(n) + j  # the label index of each row
         lab = y[q.clamp(max=n)]
-        ok = (q <= n) & (q >= s["start"]) & (lab >= 0)
+        scored = (q <= n) & (q >= s["start"])
+        ok = scored & (lab >= 0)  # a label outside the draft vocabulary: no loss, and a miss in the agreement
         if ok.any():
             total = total + decay ** (j - 1) * F.cross_entropy(lg[0][ok], lab[ok])
-        stats.append((int((lg[0].argmax(-1) == lab)[ok].sum()), int(ok.sum())))
+        stats.append((int((lg[0].argmax(-1) == lab)[ok].sum()), int(scored.sum())))
     return total, stats
 
 
@@ -126,6 +129,7 @@ def train(args) -> None:
     t_start = time.time()
     items = eagle3_data.prompts(args.prose, args.grading)
     rows = eagle3_data.cached_answers(args.model, items, args.max_tokens, args.gen_batch, Path(args.cache_dir))
+    rows = [r for r in rows if not eagle3_data.near_held_out(r["text"])]
     print(f"{len(rows)} answers, {sum(len(r['answer']) for r in rows)} tokens ({time.time() - t_start:.0f} s)")
     target, _ = eagle3_data.load_torch(args.model)
     tc = target.config
