@@ -10,7 +10,8 @@ The class is backends/grading/spec_class.py's (one rubric, notebooks of 2-6k Smo
 analysis with Ollama `format: "json"` and prose feedback), sent as /api/generate, greedy, `concurrency` lanes each
 sending its calls in order. One prefill node serves every pass; each pass has its own decode node and gateway, its
 model's [models.speculative] `method` the pass's (`off` first: the baseline). A method is any the config accepts
-(`prompt_lookup`, `suffix`, `prompt_lookup+suffix` for the list of both, `auto`).
+(`prompt_lookup`, `suffix`, `prompt_lookup+suffix` for the list of both, `auto`, `eagle3` or `prompt_lookup+eagle3`
+with the EAGLE-3 head in --head; --head-prompt-state: the prefill node runs the head too and sends its prompt KV).
 
 --lanes-per-model: the site's shape, one model per lane (analysis on one, feedback on the other), each generation
 alone in its own model's batch. The embedded weights are served under two model ids (MODEL_ID for the analysis lane,
@@ -42,12 +43,13 @@ SECOND_ID = "smollm2-feedback:135m"  # --lanes-per-model: the same weights under
 METAL_COSTS = {"qwen3-coder": 0.09, "gpt-oss": 0.18}  # fitted per drafted token at k <= 3 (bench.bench_step_cost)
 
 
-def _spec_toml(method: str, num_draft: int) -> str:
+def _spec_toml(method: str, num_draft: int, head: str | None = None) -> str:
     if method == "off":
         return ""
     names = method.split("+")
     value = f'"{method}"' if len(names) == 1 else "[" + ", ".join(f'"{n}"' for n in names) + "]"
-    return f'\n[models.speculative]\nmethod = {value}\nnum_draft = {num_draft}\nadaptive = true\n'
+    draft = f'draft_path = "{head}"\n' if {"eagle3", "dflash"} & set(names) else ""
+    return f'\n[models.speculative]\nmethod = {value}\nnum_draft = {num_draft}\nadaptive = true\n{draft}'
 
 
 def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "",
@@ -180,6 +182,10 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=2, help="lanes sending at once (the app: 2)")
     ap.add_argument("--num-draft", type=int, default=3, help="most drafted tokens per step (3: MLX's fused attention)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--head", default=str(MODEL_DIR.parent / "smollm2-135m-eagle3"), help="eagle3 methods: the "
+                    "EAGLE-3 head's folder (make draft-head's by default)")
+    ap.add_argument("--head-prompt-state", action="store_true", help="the prefill node runs the head over each prompt "
+                    "and sends its KV (prefill_draft_path); else the decode node's head starts at the answer")
     ap.add_argument("--smoke", action="store_true", help="one submission of ~300 tokens, 8-token answers")
     ap.add_argument("--config", type=Path, help="use this running stack's prefill node (this machine) instead of "
                     "starting one")
@@ -206,7 +212,8 @@ def main(argv=None) -> int:
     roles = {"analysis": MODEL_ID, "feedback": SECOND_ID} if lanes else None
     passes = {}
     with tempfile.TemporaryDirectory() as d:
-        base = _stack(Path(d) / "prefill", max_len, second=lanes)
+        head_kv = f'prefill_draft_path = "{args.head}"\n' if args.head_prompt_state else ""
+        base = _stack(Path(d) / "prefill", max_len, extra=head_kv, second=lanes)
         own = (base.settings.node("prefill-0").port, SECRET)
         port, secret = running_prefill(args.config, MODEL_ID) if args.config else own
         with base.running([] if args.config else ["prefill-0"]):
@@ -214,8 +221,8 @@ def main(argv=None) -> int:
                 if method == "off" and args.config:  # plain decoding is the running gateway's, switched off per request
                     passes[method] = off_pass(args.config, calls, args)
                     continue
-                s = _stack(Path(d) / method, max_len, port, _spec_toml(method, args.num_draft), second=lanes,
-                           secret=secret)
+                spec = _spec_toml(method, args.num_draft, args.head)
+                s = _stack(Path(d) / method, max_len, port, spec, second=lanes, secret=secret)
                 with s.running(["decode-0", "gateway"]):
                     rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens, roles)
                     metrics = spec_metrics(s, (MODEL_ID, SECOND_ID) if lanes else (MODEL_ID,))

@@ -1,10 +1,11 @@
 """Learned drafters against prompt lookup on prose: tokens per target forward and decode tokens/s for off / prompt
-lookup / the EAGLE-3 head trained here (`make draft-head`) / a DFlash drafter (untrained: mechanism only), greedy, on
+lookup / the EAGLE-3 head trained here (`make draft-head`) / the controller choosing per step between prompt lookup
+and the head / a DFlash drafter (untrained: mechanism only), greedy, on
 smollm2:135m, one run, each method on the same prompts through the decode node's MLX loop (local prompts: the node
 prefills them and the head builds its prompt state from that prefill's hidden states); and the head on the split's
 path: the prompt's KV bridged, without and with the head's own prompt KV from the prefill side.
 
-Run from the repository root:  .venv/bin/python -m bench.bench_learned [--max-tokens 64] [--smoke]
+Run from the repository root:  .venv/bin/python -m bench.bench_learned [--max-tokens 64] [--head DIR] [--smoke]
 Ratios are against `off` measured in the same run; mlx-cpu here, not a Mac (docs/speculative.md).
 """
 
@@ -83,10 +84,12 @@ def run(m: MLXModel, ids: list[int], max_tokens: int, bridged: bool | None = Non
     return out, stamps[-1] - stamps[0]
 
 
-def measure(m: MLXModel, method: str, draft: str | None, prompts: list[list[int]], n: int, k: int,
+def measure(m: MLXModel, method: str | list[str], draft: str | None, prompts: list[list[int]], n: int, k: int,
             bridged: bool | None = None) -> dict:
-    cfg = SpeculativeConfig(method=method, draft_path=draft if method in ("eagle3", "dflash") else None, num_draft=k,
-                            adaptive=False)
+    """One row; a list of methods: the node's controller picks per step (adaptive k, as a node runs it)."""
+    learned = {"eagle3", "dflash"} & set([method] if isinstance(method, str) else method)
+    cfg = SpeculativeConfig(method=method, draft_path=draft if learned else None, num_draft=k,
+                            adaptive=not isinstance(method, str))
     m.speculation = SpecController(cfg)
     toks = secs = 0
     outs = []
@@ -97,7 +100,8 @@ def measure(m: MLXModel, method: str, draft: str | None, prompts: list[list[int]
     st = m.speculation.stats
     forwards = st.verify_steps + st.plain_steps
     per_forward = (toks + len(prompts)) / forwards if forwards else 1.0  # the first token comes with the prefill
-    name = method + {None: "", False: ", bridged", True: ", bridged + head KV"}[bridged]
+    name = (method if isinstance(method, str) else "controller (" + "+".join(method) + ")")
+    name += {None: "", False: ", bridged", True: ", bridged + head KV"}[bridged]
     return {"method": name, "tok_s": toks / secs, "per_forward": per_forward, "outs": outs,
             "accepted": st.accepted, "drafted": st.drafted}
 
@@ -141,19 +145,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-draft", type=int, default=3)
+    p.add_argument("--head", default=str(HEAD), help="the EAGLE-3 head's folder (default: make draft-head's)")
     p.add_argument("--smoke", action="store_true", help="one prompt, 8 tokens (an untrained head if none is cached)")
     a = p.parse_args()
     prompts, n = (PROSE[:1], 8) if a.smoke else (PROSE, a.max_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="bench-learned-"))
     target = target_args(load_model())
-    trained = (HEAD / "config.json").is_file()
-    head = str(HEAD) if trained else untrained_eagle3(target, str(tmp / "eagle3"))
+    trained = (Path(a.head) / "config.json").is_file()
+    head = a.head if trained else untrained_eagle3(target, str(tmp / "eagle3"))
     eagle = node("eagle3", head)
     ids = [eagle.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
            for q in prompts]
     print(f"head: {head if trained else 'untrained (no cached head: make draft-head)'}; {len(prompts)} prose "
           f"prompts, {n} tokens each, greedy, k={a.num_draft}")
-    rows = [measure(eagle, meth, head, ids, n, a.num_draft) for meth in ("off", "prompt_lookup", "eagle3")]
+    methods = ["off", "prompt_lookup", "eagle3"] + ([] if a.smoke else [["prompt_lookup", "eagle3"]])  # smoke's time
+    rows = [measure(eagle, meth, head, ids, n, a.num_draft) for meth in methods]
     # the split's case: the prompt's KV arrives; the head's prompt state with it (prefill_draft_path) or not
     rows += [measure(eagle, "eagle3", head, ids, n, a.num_draft, bridged) for bridged in (False, True)]
     eagle.stop()
@@ -166,7 +172,7 @@ def main() -> None:
     base = rows[0]
     for r in rows:
         same = "same as off" if r["outs"] == base["outs"] else "DIFFERS from off"
-        print(f"{r['method']:>30}: {r['per_forward']:.2f} tokens/target forward, {r['tok_s']:.2f} decode tok/s "
+        print(f"{r['method']:>36}: {r['per_forward']:.2f} tokens/target forward, {r['tok_s']:.2f} decode tok/s "
               f"({r['tok_s'] / base['tok_s']:.2f}x off), accepted {r['accepted']}/{r['drafted']} drafted, {same}")
 
 

@@ -117,3 +117,16 @@ def kv_spec(folder: str | Path) -> dict:
     geo = model_geometry(folder)
     return {"fingerprint": model_fingerprint(str(folder)), "num_layers": geo["num_hidden_layers"],
             "num_kv_heads": geo["num_key_value_heads"], "head_dim": geo["head_dim"]}
+
+
+def drafter_digest(folder: str | Path) -> str:
+    """16 hex of sha256 over a learned drafter's config.json and weights (an EAGLE-3 head's folder): a node's KV
+    identity carries it, so a changed head re-verifies the pair (its prompt KV rides the model's stream)."""
+    folder = Path(folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()[:16]

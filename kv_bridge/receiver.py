@@ -119,7 +119,9 @@ class KVReceiver:
         so a busy node's pair is still checked)."""
         if transfer_id in self.transfers:
             raise ValueError(f"transfer {transfer_id!r} is already registered")
-        per_token = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * dtypes.target_itemsize(dtype)
+        # the prefill nodes' EAGLE-3 head sends its prompt KV as draft_layers more layers of the model's shape
+        layers = spec["num_layers"] + spec.get("draft_layers", 0)
+        per_token = 2 * layers * spec["num_kv_heads"] * spec["head_dim"] * dtypes.target_itemsize(dtype)
         need = per_token * (num_tokens - start)  # K and V as held, every layer at full length
         held = self.inflight_bytes
         if held + need > self.cfg.max_inflight_bytes and not exempt:

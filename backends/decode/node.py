@@ -25,7 +25,7 @@ from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
 from kv_bridge.protocol import DoneLine, Fallback, Sampling, accepted_line, error_line
-from kv_bridge.fingerprint import model_quantization, weight_precision
+from kv_bridge.fingerprint import drafter_digest, model_quantization, weight_precision
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ class DecodeService:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
         for m in self.models.values():
             m.task_budget_s = settings.fidelity.mlx_budget_s
+        for r in settings.models:  # the prefill nodes' head sends one more layer of the model's shape: reserve it
+            if r.id in self.models and r.prefill_draft_path:
+                self.models[r.id].spec = {**self.models[r.id].spec, "draft_layers": 1}
         self.receiver = KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac)
         self.running = 0
         self.metrics = DecodeMetrics(self)
@@ -94,7 +97,7 @@ class DecodeService:
                                "weights": weight_precision(m.path), "kv_dtype": m.kv_dtype, "kv_bits": d.kv_bits,
                                "kv_group_size": d.kv_group_size if d.kv_bits else None, "machine": machine(),
                                "attention_backend": _mlx_device(), "versions": versions("mlx", "mlx-lm"),
-                               "project": project_version()})
+                               "project": project_version(), "draft_head": _head_digest(m)})
             if m.kv_dtype is not None:  # loaded: it will not change until the process does
                 self._identity[m.model_id] = got
         return got
@@ -259,6 +262,13 @@ def _speculative(route):
     if cfg.draft_path is None:
         return cfg
     return cfg.model_copy(update={"draft_path": str(resolve_model_path(route.model_copy(update={"path": cfg.draft_path})))})
+
+
+def _head_digest(m: MLXModel) -> str | None:
+    """The EAGLE-3 head this node drafts with (its prompt KV from the prefill node is judged by the canary beside
+    the model's): a changed head moves the KV identity. None without one."""
+    cfg = m.speculation.cfg
+    return drafter_digest(cfg.draft_path) if "eagle3" in cfg.sources and cfg.draft_path else None
 
 
 async def _line(resp: web.StreamResponse, obj: dict) -> None:

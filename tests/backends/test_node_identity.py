@@ -3,6 +3,8 @@ shapes its KV, which moves with any of its fields (the gateway re-verifies a pai
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 from aiohttp import web
 
@@ -72,3 +74,45 @@ def test_a_decode_node_reports_its_models_kv_identity(tmp_path, empty_config):
     assert plain["project"].split()[1] == project_version().split()[1] and len(plain["project"].split()[1]) == 12
     quantized = service(kv_bits=8).health()["kv_identity"]["tiny"]  # another KV: another digest
     assert quantized["kv_bits"] == 8 and quantized["digest"] != plain["digest"]
+
+
+def test_a_decode_nodes_eagle3_head_moves_its_kv_identity_and_its_kv_reservation(tmp_path, empty_config):
+    """The head's prompt KV rides the model's stream: a changed head is another identity (the gateway re-verifies
+    the pair), and with prefill_draft_path set the node reserves the head's layer beside the model's."""
+    import json
+
+    from backends.decode.node import DecodeService
+    from backends.decode.speculative.eagle3 import untrained_eagle3
+    from backends.decode.speculative.learned_load import target_from_config
+    from kv_bridge.config.settings import Settings
+
+    folder = tiny_models.build("llama", tmp_path / "tiny")
+    target = target_from_config(json.loads((folder / "config.json").read_text()))
+
+    def service(head: str | None, prefill_head: bool = False) -> DecodeService:
+        model = {"id": "tiny", "path": str(folder), "prefill": [], "decode": ["decode-0"]}
+        if head:
+            model["speculative"] = {"method": "eagle3", "draft_path": head}
+        if prefill_head:
+            model["prefill_draft_path"] = head
+        s = Settings(gateway={"host": "127.0.0.1", "port": free_port()}, prefill={}, decode={}, kv={},
+                     nodes=[{"name": "decode-0", "role": "decode", "port": free_port(), "kv_port": free_port()}],
+                     models=[model])
+        return DecodeService(s, s.node("decode-0"))
+
+    a = untrained_eagle3(target, str(tmp_path / "a"), seed=0)
+    b = untrained_eagle3(target, str(tmp_path / "b"), seed=1)
+    ids = {h: service(h).kv_identity(service(h).models["tiny"]) for h in (None, a, b)}
+    assert ids[None]["draft_head"] is None and ids[a]["draft_head"] and ids[a]["draft_head"] != ids[b]["draft_head"]
+    assert len({i["digest"] for i in ids.values()}) == 3
+    svc = service(a)
+    assert "draft_layers" not in svc.models["tiny"].spec  # no prefill head: nothing more arrives
+    svc = service(a, prefill_head=True)
+    spec = svc.models["tiny"].spec
+    assert spec["draft_layers"] == 1
+
+    async def reserve() -> int:  # a transfer belongs to the node's event loop
+        svc.receiver.expect("r", 11, spec, dtype="float32")
+        return svc.receiver.inflight_bytes
+    per_layer = 11 * 2 * spec["num_kv_heads"] * spec["head_dim"] * 4  # 11 tokens of KV, float32
+    assert asyncio.run(reserve()) == (spec["num_layers"] + 1) * per_layer
