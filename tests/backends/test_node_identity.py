@@ -116,3 +116,31 @@ def test_a_decode_nodes_eagle3_head_moves_its_kv_identity_and_its_kv_reservation
         return svc.receiver.inflight_bytes
     per_layer = 11 * 2 * spec["num_kv_heads"] * spec["head_dim"] * 4  # 11 tokens of KV, float32
     assert asyncio.run(reserve()) == (spec["num_layers"] + 1) * per_layer
+
+
+def test_a_prefill_nodes_eagle3_head_moves_its_kv_identity(tmp_path, empty_config):
+    """The prefill node runs the head and sends its prompt KV as one more layer: its identity names the head too."""
+    import json
+
+    from backends.decode.speculative.eagle3 import untrained_eagle3
+    from backends.decode.speculative.learned_load import target_from_config
+    from backends.prefill.node import PrefillService
+    from kv_bridge.config.settings import Settings
+
+    folder = tiny_models.build("llama", tmp_path / "tiny")
+    target = target_from_config(json.loads((folder / "config.json").read_text()))
+
+    def identity(head: str | None) -> dict:
+        model = {"id": "tiny", "path": str(folder), "prefill": ["prefill-0"], "decode": ["decode-0"]}
+        if head:
+            model["prefill_draft_path"] = head
+        s = Settings(gateway={"host": "127.0.0.1", "port": free_port()}, prefill={}, decode={}, kv={},
+                     nodes=[{"name": "prefill-0", "role": "prefill", "port": free_port()},
+                            {"name": "decode-0", "role": "decode", "port": free_port(), "kv_port": free_port()}],
+                     models=[model])
+        return PrefillService(s, s.node("prefill-0")).kv_identity("tiny")
+
+    none, a, b = identity(None), *(identity(untrained_eagle3(target, str(tmp_path / n), seed=i))
+                                   for i, n in enumerate("ab"))
+    assert none["draft_head"] is None and a["draft_head"] and a["draft_head"] != b["draft_head"]
+    assert len({none["digest"], a["digest"], b["digest"]}) == 3
