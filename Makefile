@@ -63,14 +63,17 @@ $(AGENT_CLIS): package.json package-lock.json
 # and stacks, one at a time (they share the session stack and are CPU-bound). The marker expressions are exact
 # complements, so every test runs once.
 test: install models site-models tools
-	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
+	$(QUICK_ENV) $(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
 	$(BIN)/python -m pytest -q -m "e2e or soak or cuda" --durations=25
 
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
 # Two pytest-xdist workers: on this 2-core box the tier is part CPU, part waiting on sockets and timeouts.
+# One OpenBLAS thread per process (MLX's matmuls, backends/host_blas.py): two workers with two spinning threads each
+# oversubscribe the two cores; the quick tier's bench smokes ran 159 s -> 125 s with it (docs/testing.md).
 QUICK_WORKERS ?= 2
+QUICK_ENV ?= OPENBLAS_NUM_THREADS=1
 test-quick: install models tools
-	$(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
+	$(QUICK_ENV) $(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10
 
 # The CUDA tests (tests/kv_bridge/vllm/layouts/test_kv_cuda.py, and gpu_arch --build with the GPU hidden:
 # test_gpu_arch_nodevice.py) on a machine with torch + CUDA and nothing else. An interpreter that already has torch,

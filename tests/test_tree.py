@@ -119,3 +119,33 @@ def test_every_package_of_backends_and_the_config_says_what_it_is_and_may_import
     for init in inits:
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "import" in doc.lower(), f"{init.relative_to(ROOT)}: its docstring says what the package is and what it may import"
+
+
+def makefile_marker_expressions(target: str) -> list[str]:
+    """The `-m` expression of each pytest run in the Makefile's `target` recipe, in order."""
+    import re
+
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"{target}:"))
+    recipe = []
+    for ln in lines[start + 1:]:
+        if not ln.startswith("\t"):
+            break
+        recipe.append(ln)
+    return [m.group(1) for ln in recipe if "pytest" in ln for m in [re.search(r'-m "([^"]+)"', ln)] if m]
+
+
+def test_make_tests_two_runs_select_exact_complements():
+    """`make test`'s quick and engine tiers (Makefile): for every combination of the markers that decide the tier,
+    exactly one of the two runs selects a test, so each test runs once and none is left out; `make test-quick` is the
+    first of them."""
+    import itertools
+
+    runs = makefile_marker_expressions("test")
+    assert len(runs) == 2, runs
+    assert makefile_marker_expressions("test-quick") == runs[:1]
+    markers = ("e2e", "soak", "cuda", "seedsite")
+    for values in itertools.product((False, True), repeat=len(markers)):
+        marks = dict(zip(markers, values))
+        chosen = [eval(expr, {"__builtins__": {}}, marks) for expr in runs]  # names: markers; and/or/not: Python's
+        assert sum(chosen) == 1, (marks, runs, chosen)

@@ -97,8 +97,10 @@ def _build(spec: EmbeddedModel, out: Path, bar: tqdm) -> None:
     cfg = quant.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
-    plain = LlamaForCausalLM(cfg).to(torch.float32)
-    plain.load_state_dict(quant.state_dict(), strict=True)
+    with torch.device("meta"):  # no random init of 135M weights (seconds) that the next line replaces anyway
+        plain = LlamaForCausalLM(cfg).to(torch.float32)
+    plain.load_state_dict(quant.state_dict(), strict=True, assign=True)
+    plain.tie_weights()  # lm_head shares the embedding again, as it did before the assignment
     del quant
     bar.update()
     step(3)

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.support import ROOT
+from tests.support.stack import POLL_S
 
 CONFIG = ROOT / "examples" / "site-local.toml"
 ROLES = ["spark-0", "spark-1", "mac-0", "mac-1", "link-mac-0", "link-mac-1", "gateway"]
@@ -54,7 +55,7 @@ class Site:
                 return time.monotonic() - self.t0
             if self.proc.poll() is not None:
                 raise AssertionError(f"the site exited ({self.proc.returncode}):\n{self.output()[-4000:]}")
-            time.sleep(0.5)
+            time.sleep(POLL_S)
         raise AssertionError(f"no {text!r} after {timeout:.0f}s:\n{self.output()[-4000:]}")
 
     def output(self) -> str:

