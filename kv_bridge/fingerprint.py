@@ -119,9 +119,12 @@ def kv_spec(folder: str | Path) -> dict:
             "num_kv_heads": geo["num_key_value_heads"], "head_dim": geo["head_dim"]}
 
 
+@lru_cache(maxsize=16)
 def drafter_digest(folder: str | Path) -> str:
     """16 hex of sha256 over a learned drafter's config.json and weights (an EAGLE-3 head's folder): a node's KV
-    identity carries it, so a changed head re-verifies the pair (its prompt KV rides the model's stream)."""
+    identity carries it, so a changed head re-verifies the pair (its prompt KV rides the model's stream). Once per
+    process, as model_fingerprint: a node's identity is asked on every /health until its engine is up, and a
+    published head's weights are gigabytes."""
     folder = Path(folder)
     h = hashlib.sha256((folder / "config.json").read_bytes())
     for f in sorted(folder.glob("*.safetensors")):

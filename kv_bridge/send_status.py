@@ -75,7 +75,10 @@ class StatusListener:
         """The first word on a stream decides (with several ranks, any one that opened gave the decode node its
         HEADER: it then fails the transfer itself if another rank's never comes)."""
         now = time.monotonic()
-        for old in [t for t, (when, _) in self._outcomes.items() if now - when > KEEP_S]:
+        while self._outcomes:  # oldest first (insertion order): only the expired ones are looked at
+            old, (when, _) = next(iter(self._outcomes.items()))
+            if now - when <= KEEP_S:
+                break
             del self._outcomes[old]
         self._outcomes.setdefault(tid, (now, error))
         ev = self._waiting.get(tid)
