@@ -5,6 +5,7 @@ token, receive buffers (pooled) and the hand-over of complete KV only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ import numpy as np
 
 from kv_bridge import dtypes, wire
 from kv_bridge.config.nodes import KVConfig
+
+log = logging.getLogger("kv_bridge.receiver")
 
 
 class TransferError(RuntimeError):
@@ -128,6 +131,7 @@ class Transfer:
         self._link_s = 0.0  # the slowest stream's mid-frame time so far (`stream_done`)
         self._bytes = 0
         self._landing = 0  # frames claimed by views() whose bytes are still arriving in place
+        self.draft_missing = 0  # drafter layer-head-tokens a stream's DONE came without: its KV is dropped, not the model's
         # registered, each HEADER, each frame: what the no-progress deadline counts from
         self.progress_at = time.monotonic()
 
@@ -255,10 +259,22 @@ class Transfer:
         with self._lock:
             self._check_live()
             self._link_s = max(self._link_s, link_s)
-            missing = self._missing(hdr.stream_layers, slice(hdr.head_start, hdr.head_start + hdr.heads))
+            heads, n = slice(hdr.head_start, hdr.head_start + hdr.heads), hdr.num_layers
+            missing = self._missing([x for x in hdr.stream_layers if x < n], heads)
             if missing:
                 raise wire.WireError(f"DONE before all KV arrived ({missing} layer-head-tokens missing)")
-            if self._landing == 0 and self._missing(range(hdr.all_layers), slice(None)) == 0:
+            # The drafter's layers are the model's KV's companion, never its condition: vLLM runs an EAGLE-3 head
+            # only in steps whose longest sequence fits the head's max_model_len, so a long prompt (or a long one
+            # batched beside it) can come without the head's KV. The model's KV stands; the decode node's head
+            # then starts from its own forwards, as without a prefill-side head.
+            draft = self._missing([x for x in hdr.stream_layers if x >= n], heads)
+            if draft and not self.draft_missing:
+                log.warning("KV transfer %s: the prefill node's drafter KV is incomplete (%d layer-head-tokens "
+                            "missing: vLLM ran the head over only part of the prompt); the model's KV is kept, "
+                            "the head's dropped", self.transfer_id, draft)
+            self.draft_missing += draft
+            if self._landing == 0 and self._missing(range(n), slice(None)) == 0 and (
+                    self.draft_missing or self._missing(range(n, hdr.all_layers), slice(None)) == 0):
                 self.finish()
 
     def finish(self) -> None:
@@ -267,7 +283,8 @@ class Transfer:
             self._values[layer, :, :self._layer_first[layer] - self.start] = 0
         bufs, pool, n = self._bufs, self.pool, self._first.num_layers
         release = None if bufs is None else (lambda: [pool.give(b) for b in bufs])
-        draft = (self._keys[n:].copy(), self._values[n:].copy()) if self._first.draft_layers else (None, None)
+        whole = self._first.draft_layers and not self.draft_missing
+        draft = (self._keys[n:].copy(), self._values[n:].copy()) if whole else (None, None)
         kv = ReceivedKV(self.start, self._keys[:n], self._values[:n], self._bytes, time.perf_counter() - self._t0,
                         self._link_s, self.dtype, release, self._first.dtype, self._layer_first[:n].copy(), *draft)
         self._end(lambda: self.future.done() or self.future.set_result(kv))

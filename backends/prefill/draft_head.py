@@ -6,12 +6,15 @@ from config files alone (a prefill node has no MLX): the fix is in each message.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 
 from kv_bridge.config.models import ModelRoute, resolve_model_path
 
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+LLAMA_DEFAULT_POSITIONS = 2048  # transformers' LlamaConfig.max_position_embeddings, which vLLM reads for a head
+log = logging.getLogger("backends.prefill.node")
 
 
 def speculative_config(route: ModelRoute, model_folder: Path) -> dict | None:
@@ -20,7 +23,15 @@ def speculative_config(route: ModelRoute, model_folder: Path) -> dict | None:
     if not route.prefill_draft_path:
         return None
     folder = resolve_model_path(route, role="prefill_draft")
-    check_head(folder, model_folder)
+    cfg = check_head(folder, model_folder)
+    reach = cfg.get("max_position_embeddings") or LLAMA_DEFAULT_POSITIONS
+    if reach < route.max_model_len:
+        log.warning("%s: prefill_draft_path %s: the head's max_position_embeddings is %d (%s), under max_model_len "
+                    "%d: vLLM runs the head only over prompts within it, so longer prompts carry no head KV (their "
+                    "model KV is unaffected; the decode node's head starts from its own forwards). Set the head's "
+                    "max_position_embeddings to the model's if its RoPE holds that far", route.id, folder, reach,
+                    "config.json" if cfg.get("max_position_embeddings") else "LlamaConfig's default: none given",
+                    route.max_model_len)
     return {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 1}
 
 

@@ -211,7 +211,11 @@ def head_config(target: dict, heads: int, kv_heads: int, head_dim: int, intermed
             "vocab_size": target["vocab_size"], "draft_vocab_size": draft_vocab or target["vocab_size"],
             "target_hidden_size": target["hidden_size"], "rope_theta": target["rope_theta"],
             "rope_scaling": target["rope_scaling"], "tie_word_embeddings": False,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3], "use_aux_hidden_state": True}}
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3], "use_aux_hidden_state": True},
+            # the target's: vLLM runs a head only over sequences within its max_model_len, which it derives from
+            # this (LlamaConfig's default, 2048, where absent: a longer prompt would carry no head KV)
+            **({"max_position_embeddings": target["max_position_embeddings"]}
+               if target.get("max_position_embeddings") else {})}
 
 
 def untrained_eagle3(target: dict, path: str, seed: int = 0, draft_ids: list[int] | None = None,

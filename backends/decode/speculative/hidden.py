@@ -44,7 +44,8 @@ def target_args(model) -> dict:
     a = model.args
     return {"model_type": a.model_type, "hidden_size": a.hidden_size, "vocab_size": a.vocab_size,
             "num_hidden_layers": a.num_hidden_layers, "rope_theta": float(getattr(a, "rope_theta", 10000.0)),
-            "rope_scaling": getattr(a, "rope_scaling", None)}
+            "rope_scaling": getattr(a, "rope_scaling", None),
+            "max_position_embeddings": getattr(a, "max_position_embeddings", None)}
 
 
 class HiddenTap:

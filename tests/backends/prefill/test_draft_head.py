@@ -30,6 +30,21 @@ def test_a_head_with_the_models_kv_shape_is_started_with_one_speculative_token(t
     assert speculative_config(ModelRoute(id="m", path=str(model), decode=["d"]), model) is None
 
 
+@pytest.mark.parametrize("reach,warned", [(None, True), (1024, True), (8192, False)])
+def test_a_head_that_reaches_short_of_max_model_len_is_named_at_start(tmp_path, caplog, reach, warned):
+    """vLLM runs the head only over prompts within its max_model_len, which it reads from the head's
+    max_position_embeddings (LlamaConfig's 2048 where absent): longer prompts then carry no head KV. Said at start."""
+    model = _folder(tmp_path / "m", MODEL)
+    head = _folder(tmp_path / "h", {**HEAD, **({"max_position_embeddings": reach} if reach else {})})
+    route = ModelRoute(id="m", path=str(model), decode=["d"], prefill_draft_path=str(head), max_model_len=4096)
+    with caplog.at_level("WARNING", logger="backends.prefill.node"):
+        assert speculative_config(route, model)["model"] == str(head)
+    text = caplog.text
+    assert ("max_position_embeddings is" in text) == warned
+    if warned:
+        assert f"is {reach or 2048}" in text and "max_model_len 4096" in text
+
+
 @pytest.mark.parametrize("change,match", [
     ({"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 head"),
     ({"num_key_value_heads": 1}, r"\(num_key_value_heads, head_dim\) \(1, 64\) differs from the model's \(3, 64\)"),

@@ -127,6 +127,41 @@ def test_a_drafter_layer_rides_the_stream_after_the_model_layers(stages):
     assert np.array_equal(got.draft_keys, k[L:])
 
 
+class Skipping(Rank):
+    """A rank whose engine did not run layer `skip` in the steps `steps` (vLLM runs an EAGLE-3 head only in steps
+    whose longest sequence fits the head's max_model_len): save_kv_layer is never called for it there."""
+
+    def __init__(self, *a, skip: int, steps: set[int], **kw):
+        super().__init__(*a, **kw)
+        self.skip, self.steps, self.n = NAMES[skip], steps, 0
+
+    def step(self, meta: DisaggConnectorMetadata) -> None:
+        for name, cache in self.caches.items():
+            if not (name == self.skip and self.n in self.steps):
+                self.worker.save_kv_layer(meta, name, cache)
+        self.worker.wait_for_save(meta)
+        self.n += 1
+
+
+@pytest.mark.parametrize("steps", [{0, 1}, {1}], ids=["never", "last-chunk"])
+def test_a_drafter_layer_the_engine_skipped_leaves_the_models_kv_whole(steps):
+    """The head's KV is the model's KV's companion, never its condition: where vLLM skipped the head for some
+    chunk, the transfer completes with the model's KV exact and no drafter KV (the decode node's head then starts
+    from its own forwards). Before, it failed whole and the decode node prefilled the prompt itself."""
+    k, v = kv_data(40, layers=L + 1)
+    ranks = [Skipping(k, v, (2, r), list(range(L + 1)), draft=1, skip=L, steps=steps) for r in range(2)]
+    got = asyncio.run(transfer_from(ranks, 40, chunks=(16,)))
+    assert np.array_equal(got.keys, k[:L]) and np.array_equal(got.values, v[:L])
+    assert got.draft_keys is None and got.draft_values is None
+
+
+def test_a_model_layer_missing_still_fails_the_transfer():
+    k, v = kv_data(40, layers=L + 1)
+    ranks = [Skipping(k, v, (2, r), list(range(L + 1)), draft=1, skip=2, steps={1}) for r in range(2)]
+    with pytest.raises(TransferError, match="DONE before all KV arrived"):
+        asyncio.run(transfer_from(ranks, 40, chunks=(16,)))
+
+
 def test_a_stream_that_never_comes_leaves_the_transfer_incomplete():
     k, v = kv_data(30)
     with pytest.raises(TransferError, match="no KV progress"):

@@ -25,6 +25,7 @@ from tests.support.stack import MODEL_DIR, MODEL_ID, Stack, free_port
 pytestmark = pytest.mark.e2e
 TRAINED = MODEL_DIR.parent / "smollm2-135m-eagle3"
 SECRET = "eagle3-split-secret-0123456789abcdef"
+REACH = 400  # the head's max_position_embeddings: vLLM runs it only over prompts within (the canary's are 255)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,13 @@ def head_dir(tmp_path_factory, mlx_ref):
     folder = tmp_path_factory.mktemp("head")
     target = target_args(mlx_ref[0])
     if (TRAINED / "config.json").is_file():
-        return save_eagle3(load_eagle3(str(TRAINED), target), json.loads((TRAINED / "config.json").read_text()),
+        path = save_eagle3(load_eagle3(str(TRAINED), target), json.loads((TRAINED / "config.json").read_text()),
                            str(folder))
-    return untrained_eagle3(target, str(folder), attention=(9, 3, 64))
+    else:
+        path = untrained_eagle3(target, str(folder), attention=(9, 3, 64))
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": REACH}))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,14 @@ def test_head_kv_from_prefill_node_equals_mlx_head_prefill(eagle_stack, mlx_ref,
     np.testing.assert_allclose(got.draft_values[0], want_v, rtol=1e-3, atol=1e-3, err_msg="head V")
 
 
+def test_a_prompt_past_the_heads_reach_still_bridges_the_models_kv(eagle_stack, mlx_ref):
+    """Past the head's max_model_len vLLM skips the head, so the stream's head layer never comes: the model's KV
+    still completes (before, the whole transfer failed and the decode node prefilled the prompt itself)."""
+    ids = mlx_ref[1].encode(TEXT)[:REACH + 200]
+    got = asyncio.run(_bridged(eagle_stack, ids))
+    assert got.keys.shape == (30, 3, len(ids) - 1, 64) and got.draft_keys is None
+
+
 def test_the_canary_judges_the_heads_kv(eagle_stack):
     """The pair's canary carries the head's KV too: judged as one more layer (30), nothing found."""
     (row,) = eagle_stack.wait_fidelity()
@@ -118,3 +131,15 @@ def test_split_with_head_drafting_equals_plain_decoding(eagle_stack):
     want, _ = _chat(eagle_stack, content, "off")
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+
+
+def test_split_past_the_heads_reach_stays_split_and_equals_plain_decoding(eagle_stack):
+    """A prompt longer than the head reaches: disaggregated still (its KV bridged, no head KV installed), the
+    decode node's head drafting from its own forwards, greedy output plain decoding's."""
+    content = "Summarise this in two sentences:\n" + TEXT[:2400]
+    before = _metric(eagle_stack, "disagg_decode_spec_draft_kv_tokens_total")
+    got, headers = _chat(eagle_stack, content, "on")
+    assert headers["x-disagg-path"] == "disaggregated" and int(headers["x-disagg-kv-tokens"]) > REACH
+    assert _metric(eagle_stack, "disagg_decode_spec_draft_kv_tokens_total") == before  # none came: none installed
+    want, _ = _chat(eagle_stack, content, "off")
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
