@@ -77,7 +77,8 @@ class SpecController:
     discounted by (1 - ewma_alpha) per observation of that arm. A proposal's gain at k is expected_tokens(alpha, k) /
     (ratio(k) + k * draft_cost), ratio the measured verify step over a plain one (the config's verify_cost until
     measured). It verifies when the best gain exceeds 1 + min_gain (the arm verified last: 1 + min_gain - hysteresis).
-    Off, every probe_every plain steps one step with a proposal verifies the smallest k that could pay (a probe)."""
+    Off, every probe_every plain steps one step with a proposal verifies the smallest k that could pay (a probe), the
+    proposal of the least observed arm."""
 
     def __init__(self, cfg: SpeculativeConfig, meter: VerifyCost | None = None) -> None:
         self.cfg = cfg
@@ -98,6 +99,12 @@ class SpecController:
         b = bucket(match_len)
         acc, rej = self.arms.get((name, b), (0.0, 0.0))
         return (PRIOR_ALPHA[b] * PRIOR_WEIGHT + acc) / (PRIOR_WEIGHT + acc + rej)
+
+    def seen(self, p: Proposal) -> float:
+        """How much its arm has observed (discounted accepted + rejections): a probe goes to the least seen. Free
+        sources are scored every step; a costly one (a model) only when it drafted, so without this its arm would
+        stay at the prior while a lookup with a longer match always won the probe."""
+        return sum(self.arms.get((p.name, bucket(p.match_len)), (0.0, 0.0)))
 
     @property
     def rate(self) -> float:
@@ -176,8 +183,8 @@ class SpecController:
         if self._pays(p, g):
             return self._chose(i, p, k)
         self._last = None
-        if self._since_probe >= self.cfg.probe_every:
-            i, p = max(props, key=lambda ip: self.alpha(ip[1].name, ip[1].match_len))
+        if self._since_probe >= self.cfg.probe_every:  # the least known arm: a costly source is scored only when
+            i, p = min(props, key=lambda ip: (self.seen(ip[1]), -self.alpha(ip[1].name, ip[1].match_len)))
             k = min(self.probe_len(depth, p.draft_cost), len(p.tokens), limit)
             if k:
                 self.stats.probes += 1

@@ -235,7 +235,6 @@ class DFlashSource(HiddenSource):
         return True
 
     def draft(self, k: int) -> list[int]:
-        self.match_len = 0
         if k <= 0:
             return []
         self._consume()
@@ -245,7 +244,6 @@ class DFlashSource(HiddenSource):
         block = mx.array([[self.seq[-1]] + [self.drafter.cfg.mask_token_id] * n])
         logits = self.tap.logits(self.drafter(self.tap.embed(block), self.cache)[:, 1:])
         drafts = mx.argmax(logits[0], axis=-1).tolist()
-        self.match_len = len(drafts)
         return drafts
 
     def accepted(self, kept: int) -> None:

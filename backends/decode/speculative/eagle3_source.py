@@ -26,18 +26,23 @@ class Eagle3Source(HiddenSource):
 
     def install_prompt_kv(self, start: int, keys, values) -> bool:
         """The head's own KV of prompt positions [start, start + T) as the prefill node's head computed it
-        ((1, H, T, D) numpy in the decode KV dtype): its context then starts at the prompt's first token. Only from
-        position 0 (the head's cache offset is its RoPE position) and before any state arrived; False otherwise."""
+        ((1, H, T, D) numpy in the decode KV dtype), before any state arrived; False otherwise. From `start` > 0 (the
+        Mac held the prompt's first `start` tokens, so the wire carries the rest): the keys are turned back by
+        `start` positions, so the head's cache holds them at 0..T-1 and its context starts there, as wherever this
+        node computed no state (HiddenSource): RoPE scores depend on relative positions only."""
         from kv_bridge.mlx.cache import plain_caches
 
         cfg = self.head.cfg
-        if start != 0 or self.next is not None or self.cache[0].offset != 0 or keys.shape[0] != 1:
+        if start < 0 or self.next is not None or self.cache[0].offset != 0 or keys.shape[0] != 1:
             return False
         if keys.shape[1::2] != (cfg.num_key_value_heads, cfg.head_dim):
             raise ValueError(f"the prefill node's head KV has (heads, head_dim) {keys.shape[1::2]}, this node's head "
                              f"{(cfg.num_key_value_heads, cfg.head_dim)}: the two sides run different heads")
         self.cache = plain_caches(keys, values, self.head.fc.weight.dtype)
-        self.next = keys.shape[2]  # the first position whose row the target's forwards here hand over
+        if start:
+            c = self.cache[0]
+            c.keys = rope_shift(self.head.midlayer.self_attn.rope, c.keys[..., :c.offset, :], -start)
+        self.next = start + keys.shape[2]  # the first position whose row the target's forwards here hand over
         return True
 
     def _consume(self, most: int | None = None) -> bool:
@@ -67,7 +72,6 @@ class Eagle3Source(HiddenSource):
     def draft(self, k: int) -> list[int]:
         import mlx.core as mx
 
-        self.match_len = 0
         if k <= 0:
             return []
         self._consume()
@@ -85,7 +89,6 @@ class Eagle3Source(HiddenSource):
             fed += 1
         if fed and self.cache[0].trim(fed) != fed:  # drafted entries: the target's states replace them
             raise RuntimeError("the EAGLE-3 head's cache could not drop its drafted entries")
-        self.match_len = len(drafts)
         return drafts
 
     def accepted(self, kept: int) -> None:
@@ -95,6 +98,18 @@ class Eagle3Source(HiddenSource):
     def close(self) -> None:
         super().close()
         self.cache = self.last = None
+
+
+def rope_shift(rope, keys, by: int):
+    """Keys (B, H, T, D) that RoPE rotated at positions p, as if rotated at p + by: one uniform rotation, the
+    rope's own at position `by` applied to each row as a 1-long sequence, its magnitude scale (YaRN's mscale, which
+    rope(x, offset=0) shows) divided out."""
+    import mlx.core as mx
+
+    rows = keys.transpose(2, 1, 0, 3)  # (T, H, B, D): each row alone, at offset 0 of its own sequence
+    scale = rope(mx.ones((1, 1, 1, keys.shape[-1]), dtype=mx.float32), offset=0)
+    shifted = (rope(rows.astype(mx.float32), offset=by) / scale).astype(keys.dtype)
+    return shifted.transpose(2, 1, 0, 3)
 
 
 def head_prompt_kv(head, tap, ids: list[int]):

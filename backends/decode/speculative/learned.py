@@ -57,6 +57,7 @@ class HiddenSource:
         self.tap, self.seq, self.target_cache = tap, seq, target_cache
         self.next: int | None = None  # target position of rows[0]
         self.rows = None  # (1, T, D)
+        # a model matches no context suffix: one arm (the first bucket, as a draft model's), whatever k it drafts
         self.match_len = 0
         tap.listen(target_cache, self._observe)
 

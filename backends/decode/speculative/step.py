@@ -184,8 +184,21 @@ class SpecRun:
             return False
         if self.pending is not None:  # drafts for the token in flight; verify from there if one would pay
             self._shadow = self._draft(self._limit(), costly=False)
-            self._chain = not self.ctl.would_verify([p for _, p in self._shadow], len(self.seq) + 1, self._limit())
+            depth = len(self.seq) + 1
+            self._chain = not (self.ctl.would_verify([p for _, p in self._shadow], depth, self._limit())
+                               or self._costly_asked(depth))
         return True
+
+    def _costly_asked(self, depth: int) -> bool:
+        """Whether a costly source (a model: it drafts only when asked, so it has no free draft in the shadow) would
+        be asked for tokens at the next step (its draft would pay, or a probe is due): the pipeline stops for it.
+        Without this a model's drafts, once timed as costly, were never asked for again on a pipelined run."""
+        limit = self._limit()
+        for src in self.sources:
+            cost = self.ctl.draft_cost(src.name, getattr(src, "draft_cost", 0.0), depth)
+            if self.ctl.costly(src.name, cost) and self.ctl.ask(src.name, src.match_len, depth, limit, cost) > 0:
+                return True
+        return False
 
     def _emit_plain(self, token: int, logprobs) -> bool:
         """A plain step's token: the drafts made for it scored, then emitted; True when it ends the generation."""

@@ -130,6 +130,24 @@ def test_kept_drafts_leave_the_drafter_in_step(tiny, method):
         assert ctl.stats.accepted > 0
 
 
+def test_a_costly_head_is_asked_again_after_plain_steps(tiny):
+    """Adaptive, as a node runs it: a head is a costly source (it drafts only when asked, so a plain step carries
+    no draft of its own to score). It starts doubted, so the run pipelines plain steps; the pipeline must stop for
+    the head's probes, and once its drafts are kept it drafts on. Before, a pipelined run never asked it again (the
+    class replay's head drafted 0 tokens). Greedy output stays plain decoding's."""
+    m = tiny("eagle3-one")
+    use(m, "off")
+    plain = generate(m, max_tokens=48, logit_bias={504: 4.0}, temperature=0.0)
+    cfg = SpeculativeConfig(method="eagle3", draft_path="x", num_draft=3, verify_cost=0.1, probe_every=4)
+    m.speculation = ctl = SpecController(cfg)
+    ctl.draft_cost = lambda name, prior, depth: 0.05  # costly (> control.COSTLY) and cheap enough to pay, timed or not
+    ctl.arms[("eagle3", 0)] = [0.0, 12.0]  # twelve refusals seen: off for its first probes
+    spec = generate(m, max_tokens=48, logit_bias={504: 4.0}, temperature=0.0)
+    assert spec == plain
+    assert ctl.stats.plain_steps > 0 and ctl.stats.probes > 0
+    assert ctl.stats.probes >= 2 and ctl.stats.by_source["eagle3"][1] >= 12  # on, after its probes were kept
+
+
 def _untrained_head(path: str, tmp_path_factory) -> str:
     """An untrained EAGLE-3 head for the model at `path` (no trained one cached: `make draft-head` makes it)."""
     from mlx_lm import load
@@ -166,10 +184,11 @@ class _KV:
         pass
 
 
-def _bridged(m: MLXModel, ids: list[int], head_kv: bool = False, **sampling) -> list[int]:
+def _bridged(m: MLXModel, ids: list[int], head_kv: bool = False, held: int = 0, **sampling) -> list[int]:
     """A generation from the prompt's KV handed over as a prefill node's arrives (MLX's own prefill of ids[:-1]): the
     node computed no hidden state for those positions, so the drafter starts with none; `head_kv`: the EAGLE-3 head's
-    own KV of them arrives too (as a prefill node running the head sends it; here the head's MLX prefill)."""
+    own KV of them arrives too (as a prefill node running the head sends it; here the head's MLX prefill); `held`:
+    of the positions after the first `held` only, as after a prefix the Mac held."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
@@ -188,7 +207,7 @@ def _bridged(m: MLXModel, ids: list[int], head_kv: bool = False, **sampling) -> 
             yield
             return head_prompt_kv(m.draft_model, m.model, ids)
         k, v = m.submit_task(work).future.result(120)
-        draft = (0, k[None], v[None])
+        draft = (held, k[None, :, held:], v[None, :, held:])
     out, done = [], threading.Event()
     job = Job(tokens=ids[-1:], gen=Sampling.from_json(sampling), emit=None, history=ids[:-1],
               make_cache=lambda: m.prompt_cache(None, _KV(*kv)), draft_kv=draft)
@@ -224,3 +243,54 @@ def test_bridged_prompt_with_and_without_the_heads_kv_greedy_equals_plain_decodi
         ctl = use(m, "eagle3")
         assert _bridged(m, PROMPT, head_kv=head_kv, **sampling) == plain
         assert ctl.stats.draft_kv_tokens == head_kv * (len(PROMPT) - 1) and ctl.stats.accepted > 0
+
+
+HELD = 11  # prompt tokens the Mac held (a prefix-cache hit): the wire carries the rest, the head's KV of them too
+
+
+def test_the_heads_kv_after_a_held_prefix_is_its_own_from_there(tiny):
+    """With a prefix held on the Mac the prefill node sends the head's KV of positions [HELD, n - 1) only, rotated at
+    those positions. Installed, the head's cache equals the head's own prefill over the same rows started at
+    position 0 (its context then starts there, as where this node computed no state), keys and values."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from backends.decode.speculative.eagle3_source import Eagle3Source, head_prompt_kv
+
+    m = tiny("eagle3")
+
+    def work():
+        yield
+        k, v = head_prompt_kv(m.draft_model, m.model, PROMPT)  # the whole prompt's, at its absolute positions
+        cache, got = make_prompt_cache(m.model.model), []
+        m.model.listen(cache, lambda start, hidden: got.append(hidden))
+        m.model(mx.array([PROMPT[:-1]]), cache=cache)
+        m.model.listen(cache, None)
+        own = [KVCache()]  # the head over rows HELD.. alone, from position 0
+        head = m.draft_model
+        head(m.model.embed(mx.array([PROMPT[HELD + 1:]])), head.fuse(got[0][:, HELD:]), own)
+        src = Eagle3Source(head, m.model, list(PROMPT), make_prompt_cache(m.model.model))
+        assert src.install_prompt_kv(HELD, k[None, :, HELD:], v[None, :, HELD:])
+        installed = src.cache[0]
+        assert installed.offset == len(PROMPT) - 1 - HELD and src.next == len(PROMPT) - 1
+        out = [np.array(a[0, :, :installed.offset].astype(mx.float32)) for a in (installed.keys, installed.values)]
+        ref = [np.array(a[0, :, :own[0].offset].astype(mx.float32)) for a in (own[0].keys, own[0].values)]
+        src.close()
+        return out, ref
+    (ks, vs), (kr, vr) = m.submit_task(work).future.result(120)
+    np.testing.assert_allclose(vs, vr, atol=1e-5)
+    np.testing.assert_allclose(ks, kr, atol=1e-4)
+    assert np.abs(ks - kr).max() < 0.01 * np.abs(kr).max()
+
+
+def test_bridged_after_a_held_prefix_with_the_heads_kv_equals_plain_decoding(tiny):
+    """The split after a prefix-cache hit: the head's KV of the prompt after the held prefix is installed (counted),
+    kept drafts follow, and greedy output equals plain decoding."""
+    m = tiny("eagle3-one")
+    sampling = dict(max_tokens=40, temperature=0.0, logit_bias={504: 4.0})
+    use(m, "off")
+    plain = _bridged(m, PROMPT, **sampling)
+    ctl = use(m, "eagle3")
+    assert _bridged(m, PROMPT, head_kv=True, held=HELD, **sampling) == plain
+    assert ctl.stats.draft_kv_tokens == len(PROMPT) - 1 - HELD and ctl.stats.accepted > 0

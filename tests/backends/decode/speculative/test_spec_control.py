@@ -203,6 +203,23 @@ def test_probes_draft_the_smallest_k_that_pays_and_count():
     assert ctl.choose([], 1000, 4) is None and ctl.choose([Proposal("s", [], 0)], 1000, 4) is None
 
 
+def test_a_probe_goes_to_the_least_observed_arm():
+    """A costly source (a learned head) is scored only when it drafted; a lookup every step. When nothing pays and a
+    probe is due, the probe verifies the head's proposal, not the lookup's better-trusted long match, so the head's
+    arm learns (it stayed at its prior before: the controller never chose a head on the class replay)."""
+    cfg = SpeculativeConfig(method=["prompt_lookup", "eagle3"], draft_path="x", num_draft=3, probe_every=4,
+                            verify_cost=1.0)
+    ctl = SpecController(cfg)
+    lookup, head = Proposal("prompt_lookup", [7, 8, 9], 4), Proposal("eagle3", [7], 0, 0.1)
+    for _ in range(40):  # the lookup's arm: observed on every plain step, mostly kept (nothing pays at cost 1.0)
+        ctl.observe(lookup, [7, 8, 9])
+    assert ctl.alpha("prompt_lookup", 4) > 0.9 > ctl.alpha("eagle3", 0)  # by alpha alone the probe was the lookup's
+    ctl._since_probe = cfg.probe_every
+    assert ctl.choose([lookup, head], 1000, 3) == (1, 1) and ctl.stats.probes == 1
+    ctl.verified("eagle3", 1, *ctl.observe(head, [7, 5], 1))
+    assert ctl.seen(head) == 1.0
+
+
 def test_measured_cost_replaces_the_prior():
     """At a prior of 0.8 a 0.6 acceptance never pays; once the node has timed cheap verify steps (8 of each size)
     it drafts, and at the fused cap's limit."""
