@@ -130,7 +130,7 @@ def off_pass(config: Path, calls: list, args) -> tuple[list[dict], float, dict]:
     print(f"  off: {makespan:.0f} s, decode {decode_rate(rows):.1f} tokens/s, paths {sorted({r['path'] for r in rows})}"
           f" (the running gateway, {SPECULATIVE_HEADER}: off)", flush=True)
     return rows, makespan, {"drafted": 0.0, "accepted": 0.0, "rejections": 0.0, "verify": 0.0, "plain": 0.0,
-                            "costs": [], "paths": {}}
+                            "costs": [], "paths": {}, "sources": {}}
 
 
 def spec_metrics(s: Stack, models: tuple[str, ...] = (MODEL_ID,)) -> dict:
@@ -143,7 +143,7 @@ def spec_metrics(s: Stack, models: tuple[str, ...] = (MODEL_ID,)) -> dict:
     want = {"disagg_decode_spec_drafted_tokens_total": "drafted", "disagg_decode_spec_accepted_tokens_total":
             "accepted", "disagg_decode_spec_rejections_total": "rejections"}
     out: dict = {"drafted": 0.0, "accepted": 0.0, "rejections": 0.0, "verify": 0.0, "plain": 0.0, "costs": [],
-                 "paths": {}}
+                 "paths": {}, "sources": {}}
     for family in text_string_to_metric_families(text):
         for x in family.samples:
             if x.labels.get("model") not in models:
@@ -154,6 +154,9 @@ def spec_metrics(s: Stack, models: tuple[str, ...] = (MODEL_ID,)) -> dict:
                 out[x.labels["kind"]] += x.value
             elif x.name == "disagg_decode_spec_generations_total":  # how each model's generations decoded
                 out["paths"][f"{x.labels['model']} {x.labels['path']}"] = int(x.value)
+            elif x.name == "disagg_decode_spec_source_tokens_total":  # per drafting source: drafted / accepted
+                key = f"{x.labels['source']} {x.labels['kind']}"
+                out["sources"][key] = out["sources"].get(key, 0) + int(x.value)
             elif x.name == "disagg_decode_spec_verify_cost":
                 out["costs"].append((x.labels["model"], int(x.labels["k"]), x.labels["depth"], x.value))
     return out
@@ -226,6 +229,8 @@ def main(argv=None) -> int:
                 with s.running(["decode-0", "gateway"]):
                     rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens, roles)
                     metrics = spec_metrics(s, (MODEL_ID, SECOND_ID) if lanes else (MODEL_ID,))
+                    if lanes:  # the prose lane alone: its model id's counters
+                        metrics["feedback"] = spec_metrics(s, (SECOND_ID,))
                 passes[method] = (rows, makespan, metrics)
                 print(f"  {method}: {makespan:.0f} s, decode {decode_rate(rows):.1f} tokens/s, paths "
                       f"{sorted({r['path'] for r in rows})}", flush=True)
@@ -255,6 +260,11 @@ def report(passes: dict, calls: list) -> None:
         at = "  ".join(f"{forward_figures(m, c):>13.2f}x" for c in METAL_COSTS.values())
         print(f"{method:>20} {decode_rate(rows):>12.1f} {ratio:>6.2f}x {by_role[0]:>8.2f}x {by_role[1]:>8.2f}x "
               f"{makespan:>8.0f}s {equal:>3}/{len(rows):<2} {per:>7.2f} {alpha:>6.2f} {k:>6.2f}  {at}")
+    for method, (_, _, m) in passes.items():
+        if "feedback" in m:  # --lanes-per-model: the prose lane's own figures (its model id)
+            per, alpha, k = forward_figures(m["feedback"])
+            print(f"  {method}: feedback lane (prose) {per:.2f} tokens/target forward, alpha {alpha:.2f}, mean k "
+                  f"{k:.2f}, by source {m['feedback']['sources']}")
     for method, (_, _, m) in passes.items():
         if m["paths"]:
             print(f"  {method}: generations by path {m['paths']}")
