@@ -32,7 +32,7 @@ def engine_args(settings: Settings, route: ModelRoute, utilization: float | None
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from kv_bridge.families import vllm_hf_overrides
+    from kv_bridge.families import vllm_hf_override_fn, vllm_hf_overrides
 
     from backends.prefill.draft_head import speculative_config
 
@@ -41,7 +41,9 @@ def engine_args(settings: Settings, route: ModelRoute, utilization: float | None
     return AsyncEngineArgs(
         speculative_config=speculative_config(route, path),  # an EAGLE-3 head: its prompt KV is one more layer
         model=str(path),
-        hf_overrides=vllm_hf_overrides(path),  # e.g. gpt-oss yarn: compute the rope mlx-lm computes
+        # e.g. gpt-oss yarn: compute the rope mlx-lm computes; as a callable where there is one, which reaches the
+        # EAGLE-3 head's config too (a dict patches the target alone)
+        hf_overrides=vllm_hf_override_fn(path) or vllm_hf_overrides(path),
         # sliding-window layers keep every token, so the bridge can rebuild mlx-lm's rotating caches exactly
         disable_hybrid_kv_cache_manager=True,
         served_model_name=[route.id],

@@ -27,7 +27,7 @@ OUTPUT_ONLY: dict[str, Family] = {
 }
 
 __all__ = ["FAMILIES", "OUTPUT_ONLY", "Family", "FamilyConfigError", "LayerSpec", "family_for", "output_family",
-           "vllm_hf_overrides", "check_vllm_hf_config"]
+           "vllm_hf_overrides", "vllm_hf_override_fn", "check_vllm_hf_config"]
 
 
 def family_for(model_type: str | None) -> Family:
@@ -55,6 +55,13 @@ def vllm_hf_overrides(folder: str | Path) -> dict:
     fam = family_for(cfg.get("model_type"))
     fam.check_config(cfg)
     return fam.vllm_hf_overrides(cfg)
+
+
+def vllm_hf_override_fn(folder: str | Path):
+    """`vllm_hf_overrides` as the callable vLLM applies to the target's config and to its EAGLE-3 head's (a dict
+    reaches the target only), or None where the family overrides nothing."""
+    cfg = _config(folder)
+    return family_for(cfg.get("model_type")).vllm_hf_override_fn(cfg)
 
 
 def check_vllm_hf_config(folder: str | Path, effective: Mapping) -> None:

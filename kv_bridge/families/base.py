@@ -46,6 +46,10 @@ class Family:
         """hf_overrides the prefill node passes to vLLM so it computes what mlx-lm computes (default none)."""
         return {}
 
+    def vllm_hf_override_fn(self, cfg: Mapping):
+        """The same as a callable (vLLM applies a callable to a speculative head's config too), or None."""
+        return None
+
 
 def layer_types_specs(cfg: Mapping) -> list[LayerSpec]:
     """Specs from HF `layer_types` ("full_attention" / "sliding_attention") and `sliding_window`."""

@@ -4,7 +4,9 @@ vLLM slides the even layers (layer_idx % 2 == 0, ignoring `layer_types`); mlx-lm
 keeps a sliding layer in RotatingKVCache(max_size=sliding_window). Sinks are per-head softmax logits, not KV.
 Yarn: the real config says `rope_scaling.truncate: false`; vLLM honours it, mlx-lm always truncates the
 correction range (floor/ceil), so the engines rotate keys differently. The prefill node must run vLLM with
-`vllm_hf_overrides()` (truncate=True) so the KV it sends is the KV mlx-lm would compute and keeps computing.
+`vllm_hf_overrides()` (truncate=True) so the KV it sends is the KV mlx-lm would compute and keeps computing. An
+EAGLE-3 head for gpt-oss copies the target's rope, truncate: false included, and vLLM hands a head only a callable
+hf_overrides (a dict patches the target alone): the prefill node passes `truncate_yarn`, which patches both.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ def _rope(cfg: Mapping) -> dict:
     if "rope_theta" not in rope and cfg.get("rope_theta") is not None:
         rope["rope_theta"] = cfg["rope_theta"]
     return rope
+
+
+def truncate_yarn(hf_config):
+    """vLLM hf_overrides as a callable, which vLLM applies to the target's config and to a speculative head's: a YaRN
+    rope with truncate false gets truncate true, as mlx-lm computes it (module level: vLLM pickles it to its engine
+    process)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(hf_config, name, None)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("truncate") is False:
+            setattr(hf_config, name, {**rope, "truncate": True})
+    return hf_config
 
 
 class GptOss(Family):
@@ -47,3 +60,6 @@ class GptOss(Family):
         if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("truncate", True) is False:
             return {"rope_parameters": {**rope, "truncate": True}}
         return {}
+
+    def vllm_hf_override_fn(self, cfg: Mapping):
+        return truncate_yarn if self.vllm_hf_overrides(cfg) else None

@@ -195,6 +195,24 @@ def test_gpt_oss_config_checks(tiny_dirs):
     assert fam.vllm_hf_overrides({**cfg, "rope_scaling": {**cfg["rope_scaling"], "truncate": True}}) == {}
 
 
+def test_the_callable_override_reaches_an_eagle3_heads_rope_too(tiny_dirs):
+    """vLLM applies a dict hf_overrides to the target alone and a callable to a speculative head's config as well:
+    the callable turns truncate on in both (transformers' configs as vLLM loads them), and leaves others alone."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from kv_bridge.families import vllm_hf_override_fn
+
+    fn = vllm_hf_override_fn(tiny_dirs["gpt_oss"])
+    target = fn(AutoConfig.from_pretrained(str(tiny_dirs["gpt_oss"])))
+    assert target.rope_parameters["truncate"] is True and target.rope_parameters["rope_type"] == "yarn"
+    yarn = json.loads((tiny_dirs["gpt_oss"] / "config.json").read_text())["rope_scaling"]
+    head = fn(LlamaConfig(hidden_size=128, num_attention_heads=4, rope_scaling=dict(yarn)))
+    assert head.rope_parameters["truncate"] is True and head.rope_parameters["factor"] == yarn["factor"]
+    plain = LlamaConfig(hidden_size=128, num_attention_heads=4)
+    assert fn(plain).rope_parameters == LlamaConfig(hidden_size=128, num_attention_heads=4).rope_parameters
+    assert vllm_hf_override_fn(tiny_dirs["llama"]) is None
+
+
 def test_prefill_overrides_for_real_gpt_oss_config(tiny_dirs):
     """The real gpt-oss config (yarn truncate: false) needs vLLM overridden; an engine without it is refused."""
     from kv_bridge.families import check_vllm_hf_config, vllm_hf_overrides
