@@ -43,6 +43,10 @@ class Job:
     env: dict = field(default_factory=dict)
     batch: bool = False
     starts: tuple[int, ...] = ()
+    # an EAGLE-3 head the engine runs (speculative_config), written by draft(job folder, mlx-lm model) -> its folder;
+    # each prompt's last token then goes as the prefill node sends it: the prompt minus it is prefilled and vLLM
+    # samples exactly it (allowed_token_ids), so the head's last row reads the prompt's own last token
+    draft: Callable[[Path, Any], str] | None = None
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Result:
     kvs: list
     preemptions: int
     cached: list[int]
+    draft: str | None = None  # the head's folder (Job.draft)
 
 
 JOBS: dict[str, Job] = {}
@@ -92,8 +97,9 @@ def prefill_main(jobs_file: str) -> None:
                 step, pending = (pending, []) if job["batch"] else (pending[:1], pending[1:])
                 for tid, ids, start in step:
                     kvp = {"transfer_id": tid, "host": "127.0.0.1", "port": spec["port"], "start": start}
-                    engine.add_request(f"prefill-{tid}", {"prompt_token_ids": ids}, SamplingParams(
-                        max_tokens=1, temperature=0, extra_args={"kv_transfer_params": kvp}))
+                    nxt = {"allowed_token_ids": [ids[-1]]} if job.get("next_token") else {}
+                    engine.add_request(f"prefill-{tid}", {"prompt_token_ids": ids[:-1] if nxt else ids}, SamplingParams(
+                        max_tokens=1, temperature=0, extra_args={"kv_transfer_params": kvp}, **nxt))
                 while engine.has_unfinished_requests():
                     for o in engine.step():
                         cached[o.request_id] = o.num_cached_tokens or 0
@@ -117,7 +123,7 @@ def _engine_args(job: dict):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from kv_bridge.families import vllm_hf_overrides
+    from kv_bridge.families import vllm_hf_override_fn, vllm_hf_overrides
 
     if job["config"]:
         from backends.prefill.node import engine_args
@@ -125,7 +131,8 @@ def _engine_args(job: dict):
 
         settings = load_config(Path(job["config"]))
         return engine_args(settings, settings.models[0])
-    overrides = vllm_hf_overrides(job["model"])  # EngineArgs takes a dict or nothing, not None
+    # EngineArgs takes a dict, a callable (the prefill node's form: it reaches a speculative head too) or nothing
+    overrides = vllm_hf_override_fn(job["model"]) or vllm_hf_overrides(job["model"])
     return EngineArgs(model=job["model"], enforce_eager=True, gpu_memory_utilization=0.3,
                       **({"hf_overrides": overrides} if overrides else {}), **({"dtype": "float32"} | job["engine"]),
                       kv_transfer_config=KVTransferConfig(kv_connector="DisaggConnector", kv_role="kv_producer",
@@ -152,10 +159,12 @@ async def run_jobs(jobs: list[dict], tmp: Path) -> tuple[list[list], dict[str, d
         for job in jobs:
             tids = [uuid.uuid4().hex for _ in job["prompts"]]
             starts = job.get("starts") or [0] * len(job["prompts"])
-            transfers.append([receiver.expect(t, len(ids), kv_spec(job["mlx"]), start=s)
+            cut = 1 if job.get("next_token") else 0
+            transfers.append([receiver.expect(t, len(ids) - cut, kv_spec(job["mlx"]), start=s)
                               for t, ids, s in zip(tids, job["prompts"], starts, strict=True)])
+            keys = ("name", "model", "engine", "batch", "config", "env", "next_token")
             spec["jobs"].append({"engine": {}, "batch": False, "config": None, "env": {}}
-                                | {k: job[k] for k in ("name", "model", "engine", "batch", "config", "env") if k in job}
+                                | {k: job[k] for k in keys if k in job}
                                 | {"prompts": list(zip(tids, job["prompts"], starts))})
         (tmp / "jobs.json").write_text(json.dumps(spec))
         start = time.monotonic()
@@ -181,7 +190,7 @@ def _run_all(tmp_path_factory) -> dict[str, Result]:
 
     from tests.support.stack import write_config
 
-    root, jobs, loaded = tmp_path_factory.mktemp("tiny-vllm"), [], {}
+    root, jobs, loaded, heads = tmp_path_factory.mktemp("tiny-vllm"), [], {}, {}
     for job in JOBS.values():
         (root / job.name).mkdir()
         if job.family is None:
@@ -195,11 +204,17 @@ def _run_all(tmp_path_factory) -> dict[str, Result]:
         prompts = job.prompts(tok)
         loaded[job.name] = (mlx_dir, model, tok, prompts)
         config = write_config(root / job.name, model_dir=vllm_dir) if job.node else None
-        jobs.append({"name": job.name, "model": str(vllm_dir), "mlx": mlx_dir, "engine": job.engine,
+        engine, draft = job.engine, None
+        if job.draft is not None:
+            draft = job.draft(root / job.name, model)
+            engine = {**engine, "speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": 1}}
+        heads[job.name] = draft
+        jobs.append({"name": job.name, "model": str(vllm_dir), "mlx": mlx_dir, "engine": engine,
                      "batch": job.batch, "prompts": prompts, "starts": list(job.starts),
-                     "config": config and str(config), "env": job.env})
+                     "config": config and str(config), "env": job.env, "next_token": job.draft is not None})
     kvs, out = asyncio.run(run_jobs(jobs, root))
-    return {job["name"]: Result(*loaded[job["name"]], kv, out[job["name"]]["preemptions"], out[job["name"]]["cached"])
+    return {job["name"]: Result(*loaded[job["name"]], kv, out[job["name"]]["preemptions"], out[job["name"]]["cached"],
+                                heads[job["name"]])
             for job, kv in zip(jobs, kvs)}
 
 
