@@ -112,28 +112,38 @@ def run(m, ids: list[int], kv, greedy_tokens: int, prefix: int = 0, weights: str
 
 
 def _draft_kv(m, kv, prefix: int):
-    """The head's KV the prefill node sent with the canary, as float32 (H, T, D) K and V, where this node runs an
-    EAGLE-3 head to compare it with (from position 0 only, as a request installs it); else None."""
+    """The drafter's KV the prefill node sent with the canary, as float32 (Ld, H, T, D) K and V, where this node runs
+    the same kind of drafter to compare it with (an EAGLE-3 head or a DFlash drafter; from position 0 only); else
+    None."""
     from kv_bridge.dtypes import to_float32
 
     head = getattr(m, "draft_model", None)
-    if kv.draft_keys is None or prefix or not hasattr(head, "fuse"):
+    if kv.draft_keys is None or prefix or not (hasattr(head, "fuse") or hasattr(head, "add_context")):
         return None
-    return to_float32(kv.draft_keys[0], kv.dtype), to_float32(kv.draft_values[0], kv.dtype)
+    return to_float32(kv.draft_keys, kv.dtype), to_float32(kv.draft_values, kv.dtype)
 
 
 def _judge_head(m, ids: list[int], head_kv, wire: str, weights: str, layer: int) -> dict:
-    """The head's figures and findings (named as layer `layer`, the wire's index of it): the prefill node's head KV
-    against the head over this node's own prefill of the canary (eagle3_source.head_prompt_kv), by the canary's
-    own metric. They do not fail the pair: drafts are verified, so a wrong head KV costs acceptance, not answers."""
-    from backends.decode.speculative.eagle3_source import head_prompt_kv
+    """The drafter's figures and findings (its layers named from `layer`, the wire's index of its first): the
+    prefill node's drafter KV against the drafter over this node's own prefill of the canary
+    (eagle3_source.head_prompt_kv, dflash.dflash_prompt_kv), by the canary's own metric; the worst layer's figures.
+    They do not fail the pair: drafts are verified, so a wrong drafter KV costs acceptance, not answers."""
     from kv_bridge.mlx.fidelity_metric import judge
 
-    k, v = head_prompt_kv(m.draft_model, m.model, ids)
-    res = judge([{"k": head_kv[0], "v": head_kv[1]}], [{"k": k, "v": v}], wire, weights)
-    row = res["layers"][0]
-    found = [{**f, "layer": layer, "what": f"EAGLE-3 head's KV: {f['what']}"} for f in res["findings"]]
-    return {"layer": layer, "k": row["k"], "v": row["v"], "k_tol": row["k_tol"], "v_tol": row["v_tol"],
+    if hasattr(m.draft_model, "fuse"):
+        from backends.decode.speculative.eagle3_source import head_prompt_kv
+
+        k, v = (a[None] for a in head_prompt_kv(m.draft_model, m.model, ids))
+        what = "EAGLE-3 head's KV"
+    else:
+        from backends.decode.speculative.dflash import dflash_prompt_kv
+
+        k, v = dflash_prompt_kv(m.draft_model, m.model, ids)
+        what = "DFlash drafter's KV"
+    res = judge([{"k": a, "v": b} for a, b in zip(*head_kv)], [{"k": a, "v": b} for a, b in zip(k, v)], wire, weights)
+    i, row = max(enumerate(res["layers"]), key=lambda r: max(r[1]["k"] / r[1]["k_tol"], r[1]["v"] / r[1]["v_tol"]))
+    found = [{**f, "layer": layer + (f.get("layer") or 0), "what": f"{what}: {f['what']}"} for f in res["findings"]]
+    return {"layer": layer + i, "k": row["k"], "v": row["v"], "k_tol": row["k_tol"], "v_tol": row["v_tol"],
             "findings": found[:4]}
 
 

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
@@ -43,9 +44,9 @@ class DecodeService:
             raise NodeError(500, f"no model in config.toml lists decode node {node.name!r}; add it to a model's decode pool")
         for m in self.models.values():
             m.task_budget_s = settings.fidelity.mlx_budget_s
-        for r in settings.models:  # the prefill nodes' head sends one more layer of the model's shape: reserve it
+        for r in settings.models:  # the prefill nodes' drafter sends its layers in the model's shape: reserve them
             if r.id in self.models and r.prefill_draft_path:
-                self.models[r.id].spec = {**self.models[r.id].spec, "draft_layers": 1}
+                self.models[r.id].spec = {**self.models[r.id].spec, "draft_layers": _drafter_layers(r)}
         self.receiver = KVReceiver(settings.kv, settings.auth.kv_key(), settings.auth.kv_frame_mac)
         self.running = 0
         self.metrics = DecodeMetrics(self)
@@ -256,6 +257,17 @@ class DecodeService:
         await _line(resp, replace(done, finish_reason=finish, completion_tokens=n, ttft_s=ttft or 0.0).to_json())
 
 
+def _drafter_layers(route) -> int:
+    """The layers the prefill nodes' drafter adds to each KV stream: this node's own copy of it
+    (speculative.draft_path: the same drafter for MLX) says how many (an EAGLE-3 head 1, a DFlash drafter its
+    num_hidden_layers); 1 where this node has none to read."""
+    path = _speculative(route).draft_path
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text()).get("num_hidden_layers", 1)) if path else 1
+    except (OSError, ValueError):
+        return 1
+
+
 def _speculative(route):
     """The model's [models.speculative] with draft_path resolved like the model's own path (relative to config.toml)."""
     cfg = route.speculative
@@ -268,7 +280,7 @@ def _head_digest(m: MLXModel) -> str | None:
     """The EAGLE-3 head this node drafts with (its prompt KV from the prefill node is judged by the canary beside
     the model's): a changed head moves the KV identity. None without one."""
     cfg = m.speculation.cfg
-    return drafter_digest(cfg.draft_path) if "eagle3" in cfg.sources and cfg.draft_path else None
+    return drafter_digest(cfg.draft_path) if {"eagle3", "dflash"} & set(cfg.sources) and cfg.draft_path else None
 
 
 async def _line(resp: web.StreamResponse, obj: dict) -> None:

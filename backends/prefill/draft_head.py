@@ -1,5 +1,6 @@
-"""The EAGLE-3 head a prefill node runs over each prompt (vLLM's own proposer, `speculative_config`), so the head's
-prompt KV rides the KV stream as one more layer for the decode node's head (docs/speculative.md). Checked at start
+"""The EAGLE-3 head (or DFlash drafter) a prefill node runs over each prompt (vLLM's own proposer,
+`speculative_config`), so its prompt KV rides the KV stream as more layers for the decode node's drafter
+(docs/speculative.md). Checked at start
 from config files alone (a prefill node has no MLX): the fix is in each message.
 """
 
@@ -32,7 +33,17 @@ def speculative_config(route: ModelRoute, model_folder: Path) -> dict | None:
                     "max_position_embeddings to the model's if its RoPE holds that far", route.id, folder, reach,
                     "config.json" if cfg.get("max_position_embeddings") else "LlamaConfig's default: none given",
                     route.max_model_len)
-    return {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 1}
+    return {"method": method(cfg), "model": str(folder), "num_speculative_tokens": 1}
+
+
+def method(cfg: dict) -> str:
+    """vLLM's speculative_config method for a drafter's config.json: "dflash" for a DFlash drafter, else "eagle3"."""
+    return "dflash" if (cfg.get("architectures") or [""])[0] == "DFlashDraftModel" else "eagle3"
+
+
+def drafter_layers(folder: Path) -> int:
+    """The layers a prefill-side drafter adds to the KV stream (StreamHeader.draft_layers): its num_hidden_layers."""
+    return int(json.loads((folder / "config.json").read_text()).get("num_hidden_layers", 1))
 
 
 def check_head(folder: Path, model_folder: Path) -> dict:
@@ -47,9 +58,9 @@ def check_head(folder: Path, model_folder: Path) -> dict:
                          "`disagg models prepare --model ID --role draft`, or unset prefill_draft_path") from None
     target = target.get("text_config", target)
     arch = (cfg.get("architectures") or ["?"])[0]
-    if "eagle3" not in arch.lower():
-        raise ValueError(f"{where}: architectures {arch!r} is not an EAGLE-3 head (LlamaForCausalLMEagle3); only an "
-                         "EAGLE-3 head's prompt KV is bridged")
+    if "eagle3" not in arch.lower() and arch != "DFlashDraftModel":
+        raise ValueError(f"{where}: architectures {arch!r} is neither an EAGLE-3 head (LlamaForCausalLMEagle3) nor a "
+                         "DFlash drafter (DFlashDraftModel); only their prompt KV is bridged")
     mine = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     theirs = (target.get("num_key_value_heads") or target["num_attention_heads"],

@@ -26,10 +26,11 @@ class ModelRoute(ModelSizes):
     #   here; on Apple Silicon the break-even is far higher: rerun the bench on the site and set it per model.
     prefill_path: str | None = Field(default=None, description="prefill nodes' folder when it is not `path` (one "
                                      "machine holding both sides: vLLM's checkpoint beside MLX's)")
-    prefill_draft_path: str | None = Field(default=None, description="an EAGLE-3 head's folder (as published) that "
-                                           "the prefill nodes run over each prompt, its prompt KV sent as one more "
-                                           "layer for the decode node's head (speculative.method \"eagle3\"); "
-                                           "None: the decode node's head starts from its own forwards")
+    prefill_draft_path: str | None = Field(default=None, description="an EAGLE-3 head's or a DFlash drafter's folder (as "
+                                           "published) that the prefill nodes run over each prompt, its prompt KV "
+                                           "sent as more layers for the decode node's drafter (speculative.method "
+                                           "\"eagle3\" or \"dflash\"); None: the decode node's drafter starts "
+                                           "from its own forwards")
     min_disagg_tokens: int = Field(default=3, ge=1, description="a KV range (prompt minus its last token) shorter "
                                    "than this is prefilled on the decode node")
     max_inflight: int | None = Field(default=None, ge=1, description="most generations (one per choice) of this "

@@ -211,7 +211,7 @@ def _draft_layers(cfg) -> int:
     spec = getattr(cfg, "speculative_config", None)
     if spec is None or not spec.use_eagle():
         return 0
-    if spec.method != "eagle3":
+    if spec.method not in ("eagle3", "dflash"):
         raise ValueError(f"speculative_config method {spec.method!r} on a prefill node: only an EAGLE-3 head's KV is "
                          "bridged (set the model's prefill_draft_path to an EAGLE-3 head, or leave it unset)")
     return int(spec.draft_model_config.hf_config.num_hidden_layers)

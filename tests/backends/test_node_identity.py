@@ -89,10 +89,10 @@ def test_a_decode_nodes_eagle3_head_moves_its_kv_identity_and_its_kv_reservation
     folder = tiny_models.build("llama", tmp_path / "tiny")
     target = target_from_config(json.loads((folder / "config.json").read_text()))
 
-    def service(head: str | None, prefill_head: bool = False) -> DecodeService:
+    def service(head: str | None, prefill_head: bool = False, method: str = "eagle3") -> DecodeService:
         model = {"id": "tiny", "path": str(folder), "prefill": [], "decode": ["decode-0"]}
         if head:
-            model["speculative"] = {"method": "eagle3", "draft_path": head}
+            model["speculative"] = {"method": method, "draft_path": head}
         if prefill_head:
             model["prefill_draft_path"] = head
         s = Settings(gateway={"host": "127.0.0.1", "port": free_port()}, prefill={}, decode={}, kv={},
@@ -116,6 +116,12 @@ def test_a_decode_nodes_eagle3_head_moves_its_kv_identity_and_its_kv_reservation
         return svc.receiver.inflight_bytes
     per_layer = 11 * 2 * spec["num_kv_heads"] * spec["head_dim"] * 4  # 11 tokens of KV, float32
     assert asyncio.run(reserve()) == (spec["num_layers"] + 1) * per_layer
+    from backends.decode.speculative.dflash import untrained_dflash
+
+    dflash = untrained_dflash(target, str(tmp_path / "df"), layers=3)  # its layers, read from this node's copy
+    svc = service(dflash, prefill_head=True, method="dflash")
+    assert svc.models["tiny"].spec["draft_layers"] == 3
+    assert svc.kv_identity(svc.models["tiny"])["draft_head"]  # a DFlash drafter moves the identity too
 
 
 def test_a_prefill_nodes_eagle3_head_moves_its_kv_identity(tmp_path, empty_config):

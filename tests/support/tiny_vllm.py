@@ -47,6 +47,7 @@ class Job:
     # each prompt's last token then goes as the prefill node sends it: the prompt minus it is prefilled and vLLM
     # samples exactly it (allowed_token_ids), so the head's last row reads the prompt's own last token
     draft: Callable[[Path, Any], str] | None = None
+    draft_method: str = "eagle3"  # the drafter's speculative_config method ("dflash": a DFlash block drafter)
 
 
 @dataclass
@@ -207,7 +208,8 @@ def _run_all(tmp_path_factory) -> dict[str, Result]:
         engine, draft = job.engine, None
         if job.draft is not None:
             draft = job.draft(root / job.name, model)
-            engine = {**engine, "speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": 1}}
+            engine = {**engine, "speculative_config": {"method": job.draft_method, "model": draft,
+                                                      "num_speculative_tokens": 1}}
         heads[job.name] = draft
         jobs.append({"name": job.name, "model": str(vllm_dir), "mlx": mlx_dir, "engine": engine,
                      "batch": job.batch, "prompts": prompts, "starts": list(job.starts),

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from backends.decode.speculative.learned import HiddenSource, check_rope, check_target
+from backends.decode.speculative.learned import HiddenSource, check_rope, check_target, rope_shift
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -187,22 +187,31 @@ def load_dflash(path: str, target: dict) -> DFlashDrafter:
 
 
 def untrained_dflash(target: dict, path: str, layers: int = 2, block_size: int = 8, seed: int = 0,
-                     mask_token_id: int = 0) -> str:
-    """A small random drafter for `target` in z-lab's config fields (tests: losslessness, never quality)."""
+                     mask_token_id: int = 0, attention: tuple[int, int, int] = (2, 1, 32),
+                     layer_ids: list[int] | None = None) -> str:
+    """A small random drafter for `target` in z-lab's config fields (tests: losslessness, never quality).
+    `attention`: (heads, KV heads, head_dim) (the model's, for a drafter whose KV rides the model's stream);
+    `layer_ids`: the target layers it reads (default: z-lab's picks). vLLM reads the dtype from config.json."""
     from mlx.utils import tree_flatten
 
     n = target["num_hidden_layers"]
+    heads, kv_heads, head_dim = attention
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": target["hidden_size"],
-           "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
-           "head_dim": 32, "rms_norm_eps": 1e-6, "vocab_size": target["vocab_size"], "num_target_layers": n,
-           "block_size": block_size, "rope_theta": target["rope_theta"], "rope_scaling": target["rope_scaling"],
-           "dflash_config": {"target_layer_ids": default_layer_ids(n, layers), "mask_token_id": mask_token_id}}
+           "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-6,
+           "vocab_size": target["vocab_size"], "num_target_layers": n, "block_size": block_size,
+           "rope_theta": target["rope_theta"], "rope_scaling": target["rope_scaling"], "torch_dtype": "float32",
+           **({"max_position_embeddings": target["max_position_embeddings"]}
+              if target.get("max_position_embeddings") else {}),
+           "dflash_config": {"target_layer_ids": layer_ids or default_layer_ids(n, layers),
+                             "mask_token_id": mask_token_id}}
     mx.random.seed(seed)
     drafter = DFlashDrafter(DFlashConfig.from_dict(cfg))
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(drafter.parameters())),
+                        metadata={"format": "mlx"})
     return str(folder)
 
 
@@ -219,6 +228,27 @@ class DFlashSource(HiddenSource):
         super().__init__(tap, seq, target_cache)
         self.drafter = drafter
         self.cache = [KVCache() for _ in drafter.layers]
+
+    def install_prompt_kv(self, start: int, keys, values) -> bool:
+        """The drafter's context KV of prompt positions [start, start + T), every layer, as the prefill node's DFlash
+        drafter computed it ((Ld, H, T, D) numpy), before any state arrived; False otherwise. From `start` > 0 (a
+        prefix the Mac held) the keys are turned back by `start` positions, as the EAGLE-3 head's are."""
+        from kv_bridge.mlx.cache import plain_caches
+
+        cfg = self.drafter.cfg
+        if start < 0 or self.next is not None or self.cache[0].offset != 0:
+            return False
+        if keys.shape[0] != cfg.num_hidden_layers or keys.shape[1::2] != (cfg.num_key_value_heads, cfg.head_dim):
+            raise ValueError(f"the prefill node's DFlash KV has (layers, heads, head_dim) "
+                             f"{(keys.shape[0], *keys.shape[1::2])}, this node's drafter "
+                             f"{(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)}: the two sides run "
+                             "different drafters")
+        self.cache = plain_caches(keys, values, self.drafter.fc.weight.dtype)
+        if start:
+            for c, layer in zip(self.cache, self.drafter.layers):
+                c.keys = rope_shift(layer.self_attn.rope, c.keys[..., :c.offset, :], -start)
+        self.next = start + keys.shape[2]
+        return True
 
     def _consume(self, most: int | None = None) -> bool:
         got = self._take(len(self.seq) - 1, most)
@@ -252,3 +282,23 @@ class DFlashSource(HiddenSource):
     def close(self) -> None:
         super().close()
         self.cache = None
+
+
+def dflash_prompt_kv(drafter: DFlashDrafter, tap, ids: list[int]):
+    """The drafter's context KV of a prompt as this node computes it: the target over ids[:-1], its states at the
+    drafter's layers into the drafter's context. (K, V) float32 numpy (Ld, H, T, D): the reference the prefill node's
+    DFlash KV is checked against (the same positions, the same RoPE)."""
+    import numpy as np
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache, got = make_prompt_cache(tap.model), []
+    tap.listen(cache, lambda start, hidden: got.append(hidden))
+    try:
+        tap(mx.array([ids[:-1]]), cache=cache)
+    finally:
+        tap.listen(cache, None)
+    own = [KVCache() for _ in drafter.layers]
+    drafter.add_context(got[0], own)
+    n = len(ids) - 1
+    return tuple(np.stack([np.array(getattr(c, a)[0, :, :n].astype(mx.float32)) for c in own])
+                 for a in ("keys", "values"))

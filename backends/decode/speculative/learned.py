@@ -100,3 +100,15 @@ class HiddenSource:
     def close(self) -> None:
         self.tap.listen(self.target_cache, None)
         self.rows = None
+
+
+def rope_shift(rope, keys, by: int):
+    """Keys (B, H, T, D) that RoPE rotated at positions p, as if rotated at p + by: one uniform rotation, the
+    rope's own at position `by` applied to each row as a 1-long sequence, its magnitude scale (YaRN's mscale, which
+    rope(x, offset=0) shows) divided out."""
+    import mlx.core as mx
+
+    rows = keys.transpose(2, 1, 0, 3)  # (T, H, B, D): each row alone, at offset 0 of its own sequence
+    scale = rope(mx.ones((1, 1, 1, keys.shape[-1]), dtype=mx.float32), offset=0)
+    shifted = (rope(rows.astype(mx.float32), offset=by) / scale).astype(keys.dtype)
+    return shifted.transpose(2, 1, 0, 3)

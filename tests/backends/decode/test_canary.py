@@ -74,10 +74,13 @@ def test_the_reference_is_one_forward_and_quantized_weights_get_no_greedy_steps(
     assert steps == 2  # the held prefix's own forward, then the reference's
 
 
-def test_the_heads_kv_is_judged_as_one_more_layer_without_failing_the_pair(node_model, tmp_path):
-    """An EAGLE-3 head's KV with the canary (the prefill node ran the head): right, it passes on the fp8 wire too;
-    scaled, it is named as the head's layer, and the pair stays verified (drafts are verified: answers are safe)."""
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_the_drafters_kv_is_judged_as_more_layers_without_failing_the_pair(node_model, tmp_path, method):
+    """A drafter's KV with the canary (the prefill node ran an EAGLE-3 head or a DFlash drafter): right, it passes on
+    the fp8 wire too; scaled, it is named as a drafter layer (after the model's), and the pair stays verified (drafts
+    are verified: answers are safe)."""
     from backends.decode.canary import run, verdict
+    from backends.decode.speculative.dflash import dflash_prompt_kv, untrained_dflash
     from backends.decode.speculative.eagle3 import untrained_eagle3
     from backends.decode.speculative.eagle3_source import head_prompt_kv
     from backends.decode.speculative.hidden import target_args
@@ -85,16 +88,22 @@ def test_the_heads_kv_is_judged_as_one_more_layer_without_failing_the_pair(node_
     from kv_bridge.mlx.fidelity_metric import wire_encode
 
     target = target_args(node_model.model)
-    tap, head = load_learned("eagle3", untrained_eagle3(target, str(tmp_path / "h")), node_model.model)
+    make = {"eagle3": untrained_eagle3, "dflash": untrained_dflash}[method]
+    tap, head = load_learned(method, make(target, str(tmp_path / "h")), node_model.model)
     m = SimpleNamespace(**{**vars(node_model), "model": tap, "draft_model": head, "model_id": "m"})
     ids, wire = [int(t) for t in np.random.default_rng(7).integers(3, 3000, 80)], "float8_e4m3"
-    k, v = head_prompt_kv(head, tap, ids)
+    if method == "eagle3":
+        k, v = (a[None] for a in head_prompt_kv(head, tap, ids))
+    else:
+        k, v = dflash_prompt_kv(head, tap, ids)
     for scale, clean in ((1.0, True), (1.5, False)):
         kv = _received(node_model.model, ids[:-1], 0, wire)
-        kv.draft_keys, kv.draft_values = (wire_encode(a, wire, 32)[None] for a in (k, v * scale))
+        kv.draft_keys, kv.draft_values = (np.stack([wire_encode(x, wire, 32) for x in a]) for a in (k, v * scale))
         out = drive(run(m, ids, kv, 3))
-        assert out["draft"]["layer"] == len(out["layers"]) and not out["findings"]
+        n = len(out["layers"])
+        assert n <= out["draft"]["layer"] < n + len(k) and not out["findings"]
         assert (not out["draft"]["findings"]) == clean, out["draft"]
+        assert all(f["layer"] >= n for f in out["draft"]["findings"])
         assert verdict("m", "d", "float32", wire, len(ids), out).state == "verified"
 
 

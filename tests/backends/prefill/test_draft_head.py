@@ -30,6 +30,17 @@ def test_a_head_with_the_models_kv_shape_is_started_with_one_speculative_token(t
     assert speculative_config(ModelRoute(id="m", path=str(model), decode=["d"]), model) is None
 
 
+def test_a_dflash_drafter_is_started_as_vllm_starts_one_and_declares_its_layers(tmp_path):
+    from backends.prefill.draft_head import drafter_layers
+
+    model = _folder(tmp_path / "m", MODEL)
+    dflash = _folder(tmp_path / "d", {**HEAD, "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5})
+    route = ModelRoute(id="m", path=str(model), decode=["d"], prefill_draft_path=str(dflash))
+    assert speculative_config(route, model)["method"] == "dflash" and drafter_layers(dflash) == 5
+    with pytest.raises(ValueError, match=r"differs from the model's \(3, 64\)"):
+        check_head(_folder(tmp_path / "d2", {**HEAD, "architectures": ["DFlashDraftModel"], "head_dim": 128}), model)
+
+
 @pytest.mark.parametrize("reach,warned", [(None, True), (1024, True), (8192, False)])
 def test_a_head_that_reaches_short_of_max_model_len_is_named_at_start(tmp_path, caplog, reach, warned):
     """vLLM runs the head only over prompts within its max_model_len, which it reads from the head's
@@ -46,7 +57,7 @@ def test_a_head_that_reaches_short_of_max_model_len_is_named_at_start(tmp_path, 
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 head"),
+    ({"architectures": ["LlamaForCausalLM"]}, "neither an EAGLE-3 head .* nor a DFlash drafter"),
     ({"num_key_value_heads": 1}, r"\(num_key_value_heads, head_dim\) \(1, 64\) differs from the model's \(3, 64\)"),
     ({"torch_dtype": None}, 'add "torch_dtype" \\(float32\\)'),
 ])

@@ -248,40 +248,49 @@ def test_bridged_prompt_with_and_without_the_heads_kv_greedy_equals_plain_decodi
 HELD = 11  # prompt tokens the Mac held (a prefix-cache hit): the wire carries the rest, the head's KV of them too
 
 
-def test_the_heads_kv_after_a_held_prefix_is_its_own_from_there(tiny):
-    """With a prefix held on the Mac the prefill node sends the head's KV of positions [HELD, n - 1) only, rotated at
-    those positions. Installed, the head's cache equals the head's own prefill over the same rows started at
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_the_drafters_kv_after_a_held_prefix_is_its_own_from_there(tiny, method):
+    """With a prefix held on the Mac the prefill node sends the drafter's KV of positions [HELD, n - 1) only, rotated
+    at those positions. Installed, the drafter's cache equals its own computation over the same rows started at
     position 0 (its context then starts there, as where this node computed no state), keys and values."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    from backends.decode.speculative.dflash import DFlashSource, dflash_prompt_kv
     from backends.decode.speculative.eagle3_source import Eagle3Source, head_prompt_kv
 
-    m = tiny("eagle3")
+    m = tiny(method)
 
     def work():
         yield
-        k, v = head_prompt_kv(m.draft_model, m.model, PROMPT)  # the whole prompt's, at its absolute positions
-        cache, got = make_prompt_cache(m.model.model), []
-        m.model.listen(cache, lambda start, hidden: got.append(hidden))
-        m.model(mx.array([PROMPT[:-1]]), cache=cache)
-        m.model.listen(cache, None)
-        own = [KVCache()]  # the head over rows HELD.. alone, from position 0
-        head = m.draft_model
-        head(m.model.embed(mx.array([PROMPT[HELD + 1:]])), head.fuse(got[0][:, HELD:]), own)
-        src = Eagle3Source(head, m.model, list(PROMPT), make_prompt_cache(m.model.model))
-        assert src.install_prompt_kv(HELD, k[None, :, HELD:], v[None, :, HELD:])
-        installed = src.cache[0]
-        assert installed.offset == len(PROMPT) - 1 - HELD and src.next == len(PROMPT) - 1
-        out = [np.array(a[0, :, :installed.offset].astype(mx.float32)) for a in (installed.keys, installed.values)]
-        ref = [np.array(a[0, :, :own[0].offset].astype(mx.float32)) for a in (own[0].keys, own[0].values)]
+        d, tap = m.draft_model, m.model
+        cache, got = make_prompt_cache(tap.model), []
+        tap.listen(cache, lambda start, hidden: got.append(hidden))
+        tap(mx.array([PROMPT[:-1]]), cache=cache)
+        tap.listen(cache, None)
+        if method == "eagle3":  # the whole prompt's, at its absolute positions; and the rows HELD.. alone from 0
+            k, v = (a[None] for a in head_prompt_kv(d, tap, PROMPT))
+            own = [KVCache()]
+            d(tap.embed(mx.array([PROMPT[HELD + 1:]])), d.fuse(got[0][:, HELD:]), own)
+            src = Eagle3Source(d, tap, list(PROMPT), make_prompt_cache(tap.model))
+        else:
+            k, v = dflash_prompt_kv(d, tap, PROMPT)
+            own = [KVCache() for _ in d.layers]
+            d.add_context(got[0][:, HELD:], own)
+            src = DFlashSource(d, tap, list(PROMPT), make_prompt_cache(tap.model))
+        assert src.install_prompt_kv(HELD, k[:, :, HELD:], v[:, :, HELD:])
+        assert src.next == len(PROMPT) - 1
+        pairs = []
+        for c, o in zip(src.cache, own):
+            assert c.offset == o.offset == len(PROMPT) - 1 - HELD
+            pairs.append([np.array(a[0, :, :c.offset].astype(mx.float32)) for a in (c.keys, c.values, o.keys, o.values)])
         src.close()
-        return out, ref
-    (ks, vs), (kr, vr) = m.submit_task(work).future.result(120)
-    np.testing.assert_allclose(vs, vr, atol=1e-5)
-    np.testing.assert_allclose(ks, kr, atol=1e-4)
-    assert np.abs(ks - kr).max() < 0.01 * np.abs(kr).max()
+        return pairs
+    for ks, vs, kr, vr in m.submit_task(work).future.result(120):
+        np.testing.assert_allclose(vs, vr, atol=1e-5)
+        np.testing.assert_allclose(ks, kr, atol=1e-4)
+        assert np.abs(ks - kr).max() < 0.01 * np.abs(kr).max()
 
 
 def test_bridged_after_a_held_prefix_with_the_heads_kv_equals_plain_decoding(tiny):

