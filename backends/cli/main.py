@@ -304,13 +304,13 @@ def _prepare_learned(route, args: argparse.Namespace) -> int:
         print(f"disagg: {e}", file=sys.stderr)
         return 1
     print(f"{route.id}: {method} drafter ready at {folder} ({source}): {summary}")
-    if route.prefill_draft_path and method == "eagle3":  # the prefill nodes run the same head over each prompt
-        return _prepare_prefill_head(route, source)
+    if route.prefill_draft_path and method in ("eagle3", "dflash"):  # the prefill nodes run the same drafter
+        return _prepare_prefill_head(route, source, method)
     return 0
 
 
-def _prepare_prefill_head(route, source: str) -> int:
-    """The head at [[models]] prefill_draft_path, checked as a prefill node starts it (backends/prefill/
+def _prepare_prefill_head(route, source: str, method: str = "eagle3") -> int:
+    """The drafter at [[models]] prefill_draft_path, checked as a prefill node starts it (backends/prefill/
     draft_head.py: its KV shape the model's, a dtype vLLM can read)."""
     from backends.cli import checkpoints
     from backends.prefill.draft_head import check_head
@@ -321,7 +321,7 @@ def _prepare_prefill_head(route, source: str) -> int:
     except (checkpoints.CheckpointError, ValueError) as e:
         print(f"disagg: {e}", file=sys.stderr)
         return 1
-    print(f"{route.id}: the prefill nodes' eagle3 head ready at {folder}: its prompt KV rides the KV stream")
+    print(f"{route.id}: the prefill nodes' {method} drafter ready at {folder}: its prompt KV rides the KV stream")
     return 0
 
 

@@ -48,7 +48,7 @@ def test_a_head_for_the_model_is_prepared_and_budgeted(tmp_path):
     cfg = _config(tmp_path, "eagle3", prefill_head=True)
     r = run("models", "prepare", "--config", str(cfg), "--model", "m", "--role", "draft", "--mlx", src, cwd=tmp_path)
     assert r.returncode == 0 and "eagle3 drafter ready" in r.stdout, r.stdout + r.stderr
-    assert "the prefill nodes' eagle3 head ready" in r.stdout  # [[models]] prefill_draft_path: checked for vLLM
+    assert "the prefill nodes' eagle3 drafter ready" in r.stdout  # [[models]] prefill_draft_path: checked for vLLM
     assert "layers [2, 2, 1]" in r.stdout  # vLLM's default for a 4-layer target: 2, L // 2, L - 3
     s = load_config(cfg)
     items = dict(decode_budget(s, s.node("d"), s.models, cfg.parent).items)
