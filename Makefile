@@ -135,6 +135,7 @@ bench_step_cost --reps 15
 bench_class_drafts
 bench_class_spec --lanes-per-model --submissions 10 --num-draft 9 --methods prompt_lookup,suffix,prompt_lookup+suffix,auto
 bench_learned --max-tokens 48
+bench_head_prefill --submissions 3
 bench_traffic_check
 bench_fidelity_recover --max-s 360
 endef
