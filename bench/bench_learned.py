@@ -23,6 +23,7 @@ from backends.decode.engine import Job, MLXModel
 from backends.decode.speculative.control import SpecController
 from kv_bridge.config.speculative import SpeculativeConfig
 from kv_bridge.protocol import Sampling
+from tests.support.fakes import HeldKV
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "smollm2-135m"
@@ -32,15 +33,6 @@ PROSE = ["Explain in a few sentences why the sky is blue.",
          "Describe what a compiler does, for someone who has never programmed.",
          "Summarise the benefits of regular exercise in one paragraph."]
 
-
-class _KV:
-    """A prompt's KV as the receiver hands it (keys, values (L, H, T, D), release())."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-    def release(self):
-        pass
 
 
 def bridged_job(m: MLXModel, ids: list[int], head_kv: bool) -> dict:
@@ -61,7 +53,7 @@ def bridged_job(m: MLXModel, ids: list[int], head_kv: bool) -> dict:
         head = head_prompt_kv(m.draft_model, m.model, ids) if head_kv else None
         return kv, head
     kv, head = m.submit_task(work).future.result(1800)
-    return {"tokens": ids[-1:], "history": ids[:-1], "make_cache": lambda: m.prompt_cache(None, _KV(*kv)),
+    return {"tokens": ids[-1:], "history": ids[:-1], "make_cache": lambda: m.prompt_cache(None, HeldKV(*kv)),
             "draft_kv": None if head is None else (0, head[0][None], head[1][None])}
 
 

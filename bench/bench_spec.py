@@ -33,6 +33,7 @@ from backends.decode.speculative.control import SpecController
 from backends.decode.speculative.gain import SHAPES, forward_cost, verify_cost
 from kv_bridge.config.speculative import SpeculativeConfig
 from kv_bridge.protocol import Sampling
+from tests.support.fakes import HeldKV
 
 MODEL_DIR = ROOT / "models" / "smollm2-135m"
 DRAFT_SKIP = (12, 15, 18, 21)  # middle layers the draft drops (of 30): the best agreement of the few tried
@@ -61,15 +62,6 @@ def prompt_kv(m: MLXModel, ids: list[int]):
     return cache_kv(cache, len(ids) - 1)
 
 
-class _KV:
-    """The received-KV interface MLXModel.prompt_cache takes (kv.keys, kv.values, release())."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-    def release(self):
-        pass
-
 
 def run(m: MLXModel, ids, kv, sampling: dict, max_tokens: int) -> dict:
     """One generation through the MLX loop from the prompt's KV; tokens, decode time and the controller's deltas."""
@@ -89,7 +81,7 @@ def run(m: MLXModel, ids, kv, sampling: dict, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     job = getattr(sys.modules[type(m).__module__], "Job", Job)  # the engine's own (bench_spec_control loads an old one)
     m.submit(job(tokens=ids[-1:], gen=gen, emit=emit, history=ids[:-1],
-                 make_cache=lambda: m.prompt_cache(None, _KV(*kv))))
+                 make_cache=lambda: m.prompt_cache(None, HeldKV(*kv))))
     done.wait()
     m.speculation.trace = None
     s = m.speculation.stats
@@ -156,7 +148,7 @@ def machine_verify_cost(m: MLXModel, ids, kv, k: int, reps: int = 5) -> tuple[fl
     import mlx.core as mx
     from mlx_lm.models.cache import trim_prompt_cache
 
-    cache = m.prompt_cache(None, _KV(*kv))
+    cache = m.prompt_cache(None, HeldKV(*kv))
 
     def seconds(n: int) -> float:
         times = []

@@ -133,3 +133,9 @@ def drafter_digest(folder: str | Path) -> str:
             for block in iter(lambda: fh.read(1 << 24), b""):
                 h.update(block)
     return h.hexdigest()[:16]
+
+
+def drafter_layers(folder: str | Path) -> int:
+    """The layers a learned drafter adds to the KV stream when a prefill node runs it (StreamHeader.draft_layers):
+    its config.json's num_hidden_layers (an EAGLE-3 head 1, a DFlash drafter its own)."""
+    return int(json.loads((Path(folder) / "config.json").read_text()).get("num_hidden_layers", 1))

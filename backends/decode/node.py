@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
@@ -26,7 +25,7 @@ from kv_bridge.config.models import resolve_model_path
 from kv_bridge.config.nodes import NodeConfig
 from kv_bridge.config.settings import Settings
 from kv_bridge.protocol import DoneLine, Fallback, Sampling, accepted_line, error_line
-from kv_bridge.fingerprint import drafter_digest, model_quantization, weight_precision
+from kv_bridge.fingerprint import drafter_digest, drafter_layers, model_quantization, weight_precision
 from kv_bridge.receiver import KVCapacityError, KVReceiver, TransferError
 
 log = logging.getLogger(__name__)
@@ -263,7 +262,7 @@ def _drafter_layers(route) -> int:
     num_hidden_layers); 1 where this node has none to read."""
     path = _speculative(route).draft_path
     try:
-        return int(json.loads((Path(path) / "config.json").read_text()).get("num_hidden_layers", 1)) if path else 1
+        return drafter_layers(path) if path else 1
     except (OSError, ValueError):
         return 1
 
@@ -277,8 +276,8 @@ def _speculative(route):
 
 
 def _head_digest(m: MLXModel) -> str | None:
-    """The EAGLE-3 head this node drafts with (its prompt KV from the prefill node is judged by the canary beside
-    the model's): a changed head moves the KV identity. None without one."""
+    """The learned drafter this node drafts with (an EAGLE-3 head or a DFlash drafter: its prompt KV from the prefill
+    node is judged by the canary beside the model's): a changed drafter moves the KV identity. None without one."""
     cfg = m.speculation.cfg
     return drafter_digest(cfg.draft_path) if {"eagle3", "dflash"} & set(cfg.sources) and cfg.draft_path else None
 

@@ -41,11 +41,6 @@ def method(cfg: dict) -> str:
     return "dflash" if (cfg.get("architectures") or [""])[0] == "DFlashDraftModel" else "eagle3"
 
 
-def drafter_layers(folder: Path) -> int:
-    """The layers a prefill-side drafter adds to the KV stream (StreamHeader.draft_layers): its num_hidden_layers."""
-    return int(json.loads((folder / "config.json").read_text()).get("num_hidden_layers", 1))
-
-
 def check_head(folder: Path, model_folder: Path) -> dict:
     """ValueError naming the field where the head cannot run on the prefill node or its KV cannot share the
     model's stream (same KV heads and head_dim: true of both site heads); the head's config.json otherwise."""

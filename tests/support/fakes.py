@@ -44,6 +44,17 @@ def sample_value(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+class HeldKV:
+    """Received KV as MLXModel.prompt_cache takes it (keys, values, release()), for KV a test or bench holds itself
+    and may hand over more than once: release() gives nothing back."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def release(self):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

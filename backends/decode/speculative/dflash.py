@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from backends.decode.speculative.learned import HiddenSource, check_rope, check_target, rope_shift
+from backends.decode.speculative.learned import HiddenSource, check_rope, check_target
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -232,9 +232,7 @@ class DFlashSource(HiddenSource):
     def install_prompt_kv(self, start: int, keys, values) -> bool:
         """The drafter's context KV of prompt positions [start, start + T), every layer, as the prefill node's DFlash
         drafter computed it ((Ld, H, T, D) numpy), before any state arrived; False otherwise. From `start` > 0 (a
-        prefix the Mac held) the keys are turned back by `start` positions, as the EAGLE-3 head's are."""
-        from kv_bridge.mlx.cache import plain_caches
-
+        prefix the Mac held) its keys turned back by `start` positions (HiddenSource._install)."""
         cfg = self.drafter.cfg
         if start < 0 or self.next is not None or self.cache[0].offset != 0:
             return False
@@ -243,11 +241,8 @@ class DFlashSource(HiddenSource):
                              f"{(keys.shape[0], *keys.shape[1::2])}, this node's drafter "
                              f"{(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)}: the two sides run "
                              "different drafters")
-        self.cache = plain_caches(keys, values, self.drafter.fc.weight.dtype)
-        if start:
-            for c, layer in zip(self.cache, self.drafter.layers):
-                c.keys = rope_shift(layer.self_attn.rope, c.keys[..., :c.offset, :], -start)
-        self.next = start + keys.shape[2]
+        self.cache = self._install(start, keys, values, self.drafter.fc.weight.dtype,
+                                   [layer.self_attn.rope for layer in self.drafter.layers])
         return True
 
     def _consume(self, most: int | None = None) -> bool:

@@ -5,7 +5,7 @@ output back as the next state. Drafted entries are dropped after drafting: the v
 
 from __future__ import annotations
 
-from backends.decode.speculative.learned import HiddenSource, rope_shift
+from backends.decode.speculative.learned import HiddenSource
 
 
 class Eagle3Source(HiddenSource):
@@ -27,22 +27,16 @@ class Eagle3Source(HiddenSource):
     def install_prompt_kv(self, start: int, keys, values) -> bool:
         """The head's own KV of prompt positions [start, start + T) as the prefill node's head computed it
         ((1, H, T, D) numpy in the decode KV dtype), before any state arrived; False otherwise. From `start` > 0 (the
-        Mac held the prompt's first `start` tokens, so the wire carries the rest): the keys are turned back by
-        `start` positions, so the head's cache holds them at 0..T-1 and its context starts there, as wherever this
-        node computed no state (HiddenSource): RoPE scores depend on relative positions only."""
-        from kv_bridge.mlx.cache import plain_caches
-
+        Mac held the prompt's first `start` tokens): its keys turned back by `start` positions (HiddenSource._install).
+        """
         cfg = self.head.cfg
         if start < 0 or self.next is not None or self.cache[0].offset != 0 or keys.shape[0] != 1:
             return False
         if keys.shape[1::2] != (cfg.num_key_value_heads, cfg.head_dim):
             raise ValueError(f"the prefill node's head KV has (heads, head_dim) {keys.shape[1::2]}, this node's head "
                              f"{(cfg.num_key_value_heads, cfg.head_dim)}: the two sides run different heads")
-        self.cache = plain_caches(keys, values, self.head.fc.weight.dtype)
-        if start:
-            c = self.cache[0]
-            c.keys = rope_shift(self.head.midlayer.self_attn.rope, c.keys[..., :c.offset, :], -start)
-        self.next = start + keys.shape[2]  # the first position whose row the target's forwards here hand over
+        self.cache = self._install(start, keys, values, self.head.fc.weight.dtype,
+                                   [self.head.midlayer.self_attn.rope])
         return True
 
     def _consume(self, most: int | None = None) -> bool:

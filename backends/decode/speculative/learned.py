@@ -97,6 +97,21 @@ class HiddenSource:
         self.next += n
         return start, rows
 
+    def _install(self, start: int, keys, values, dtype, ropes) -> list:
+        """The drafter's own prompt KV of positions [start, start + T) ((Ld, H, T, D) numpy) as its caches, one per
+        layer; from `start` > 0 (a prefix the Mac held: the wire carries the rest) each layer's keys turned back by
+        `start` positions with its RoPE (`ropes`), so the cache holds them at 0..T-1 and the context starts there, as
+        wherever this node computed no state (RoPE scores depend on relative positions only). Target rows arrive
+        from position start + T on."""
+        from kv_bridge.mlx.cache import plain_caches
+
+        cache = plain_caches(keys, values, dtype)
+        if start:
+            for c, rope in zip(cache, ropes):
+                c.keys = rope_shift(rope, c.keys[..., :c.offset, :], -start)
+        self.next = start + keys.shape[2]
+        return cache
+
     def close(self) -> None:
         self.tap.listen(self.target_cache, None)
         self.rows = None

@@ -31,7 +31,7 @@ def test_a_head_with_the_models_kv_shape_is_started_with_one_speculative_token(t
 
 
 def test_a_dflash_drafter_is_started_as_vllm_starts_one_and_declares_its_layers(tmp_path):
-    from backends.prefill.draft_head import drafter_layers
+    from kv_bridge.fingerprint import drafter_layers
 
     model = _folder(tmp_path / "m", MODEL)
     dflash = _folder(tmp_path / "d", {**HEAD, "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5})

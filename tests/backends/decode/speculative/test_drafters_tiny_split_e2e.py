@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.fakes import HeldKV
 from tests.support.tiny_vllm import Job, register
 
 pytestmark = pytest.mark.e2e
@@ -73,15 +74,6 @@ JOBS = {(method, f): register(Job(f"{method}-{f}", f, lambda tok: [tok.encode(TE
         for method, make in (("eagle3", _head), ("dflash", _dflash)) for f in FAMILIES}
 
 
-class _KV:
-    """Received KV as MLXModel.prompt_cache takes it, reusable (release() a no-op)."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-    def release(self):
-        pass
-
 
 @pytest.fixture(scope="module", params=sorted(JOBS), ids=lambda k: "-".join(k))
 def split(request, tiny_vllm):
@@ -109,7 +101,7 @@ def _decode(m, ids: list[int], kv, method: str, **sampling) -> list[int]:
     out, done = [], threading.Event()
     draft = None if method == "off" else (kv.start, kv.draft_keys, kv.draft_values)
     job = DecodeJob(tokens=ids[-1:], gen=Sampling.from_json(sampling), emit=None, history=ids[:-1],
-                    make_cache=lambda: m.prompt_cache(None, _KV(kv.keys, kv.values)), draft_kv=draft)
+                    make_cache=lambda: m.prompt_cache(None, HeldKV(kv.keys, kv.values)), draft_kv=draft)
     job.emit = lambda ev: done.set() if ev is None else out.append(ev)
     m.submit(job)
     assert done.wait(300)

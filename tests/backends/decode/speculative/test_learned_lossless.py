@@ -20,6 +20,7 @@ from backends.decode.speculative.eagle3 import untrained_eagle3
 from backends.decode.speculative.hidden import target_args
 from kv_bridge.config.speculative import SpeculativeConfig
 from kv_bridge.protocol import Sampling
+from tests.support.fakes import HeldKV
 from tests.support.tiny_models import build
 
 LAB = dict(temperature=0.2, top_p=0.9, seed=5)
@@ -174,15 +175,6 @@ def test_smollm2_greedy_with_its_head_equals_plain_decoding(smollm2):
     assert spec == plain and ctl.stats.verify_steps > 0
 
 
-class _KV:
-    """Received KV as MLXModel.prompt_cache takes it (keys, values, release())."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-
-    def release(self):
-        pass
-
 
 def _bridged(m: MLXModel, ids: list[int], head_kv: bool = False, held: int = 0, **sampling) -> list[int]:
     """A generation from the prompt's KV handed over as a prefill node's arrives (MLX's own prefill of ids[:-1]): the
@@ -210,7 +202,7 @@ def _bridged(m: MLXModel, ids: list[int], head_kv: bool = False, held: int = 0, 
         draft = (held, k[None, :, held:], v[None, :, held:])
     out, done = [], threading.Event()
     job = Job(tokens=ids[-1:], gen=Sampling.from_json(sampling), emit=None, history=ids[:-1],
-              make_cache=lambda: m.prompt_cache(None, _KV(*kv)), draft_kv=draft)
+              make_cache=lambda: m.prompt_cache(None, HeldKV(*kv)), draft_kv=draft)
     job.emit = lambda ev: done.set() if ev is None else out.append(ev)
     m.submit(job)
     assert done.wait(300)
