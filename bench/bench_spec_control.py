@@ -24,12 +24,13 @@ import threading
 import time
 from pathlib import Path
 
-from bench.bench_spec import GRADING, GREEDY, MODEL_DIR, ROOT, _KV, prompt_kv, run, use
+from bench.bench_spec import GRADING, GREEDY, MODEL_DIR, ROOT, prompt_kv, run, use
 from backends.decode.engine import Job, MLXModel
 from backends.decode.speculative.control import SpecController
 from backends.decode.speculative.verify_cost import VerifyCost
 from kv_bridge.config.speculative import SpeculativeConfig
 from kv_bridge.protocol import Sampling
+from tests.support.fakes import HeldKV
 
 BEFORE = "cab9611"  # main before issue 48's source-generic controller was merged
 OLD = {"engine": "backends/decode/engine.py", "control": "backends/decode/speculative/control.py",
@@ -117,7 +118,7 @@ def together(m: MLXModel, prompts, kvs, max_tokens: int, mode: str, meter) -> tu
                 out.append(ev[1].token_id)
                 stamps.append(time.perf_counter())
         m.submit(Job(tokens=ids[-1:], gen=Sampling.from_json({"max_tokens": max_tokens, **GREEDY}), emit=emit,
-                     history=ids[:-1], make_cache=lambda kv=kv: m.prompt_cache(None, _KV(*kv))))
+                     history=ids[:-1], make_cache=lambda kv=kv: m.prompt_cache(None, HeldKV(*kv))))
         outs.append(out)
         dones.append(done)
     for d in dones:
