@@ -59,7 +59,7 @@ $(AGENT_CLIS): package.json package-lock.json
 	node_modules/.bin/codex --version && node_modules/.bin/claude --version
 	touch $@
 
-# All of it, in two runs: the quick tier on two workers (as test-quick), then the tests that start engines, nodes
+# All of it, in two runs: the quick tier on three workers (as test-quick), then the tests that start engines, nodes
 # and stacks, one at a time (they share the session stack and are CPU-bound). The marker expressions are exact
 # complements, so every test runs once.
 test: install models site-models tools
@@ -67,10 +67,11 @@ test: install models site-models tools
 	$(BIN)/python -m pytest -q -m "e2e or soak or cuda" --durations=25
 
 # The edit loop: fakes, in-process code and parsers; no vLLM engine, MLX node or stack starts (docs/testing.md).
-# Two pytest-xdist workers: on this 2-core box the tier is part CPU, part waiting on sockets and timeouts.
-# One OpenBLAS thread per process (MLX's matmuls, backends/host_blas.py): two workers with two spinning threads each
+# Three pytest-xdist workers on this 2-core box: the tier is part CPU, part waiting on sockets and timeouts, and two
+# workers left the cores 15% idle (its tail: 40 s at under 25%); three ran it 283 s -> 262 s (docs/testing.md).
+# One OpenBLAS thread per process (MLX's matmuls, backends/host_blas.py): workers with two spinning threads each
 # oversubscribe the two cores; the quick tier's bench smokes ran 159 s -> 125 s with it (docs/testing.md).
-QUICK_WORKERS ?= 2
+QUICK_WORKERS ?= 3
 QUICK_ENV ?= OPENBLAS_NUM_THREADS=1
 test-quick: install models tools
 	$(QUICK_ENV) $(BIN)/python -m pytest -q -n $(QUICK_WORKERS) -m "not e2e and not soak and not cuda" --durations=10

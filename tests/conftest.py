@@ -19,7 +19,16 @@ from tests.support.stack import MODEL_DIR, Stack  # noqa: E402
 # Session fixtures shared by several e2e modules, defined here once (imported into each module, pytest would keep one
 # definition a module, and each would start its own): the tiny gpt_oss stack, and the tiny-model vLLM jobs' run.
 from tests.support.oss_fixtures import oss_stack  # noqa: E402,F401
-from tests.support.tiny_vllm import tiny_vllm  # noqa: E402,F401
+from tests.support.tiny_vllm import start_early, stop_early, tiny_vllm  # noqa: E402,F401
+
+
+def pytest_collection_finish(session):
+    """The tiny-model vLLM jobs start in the background once the session's tests are known (tiny_vllm.start_early)."""
+    start_early(session)
+
+
+def pytest_sessionfinish(session):
+    stop_early()
 
 
 # The session stack's gateway admits prefill work as the burst tests need it (docs/routing.md, admission): a few

@@ -179,12 +179,87 @@ async def run_jobs(jobs: list[dict], tmp: Path) -> tuple[list[list], dict[str, d
 
 @pytest.fixture(scope="session")
 def tiny_vllm(tmp_path_factory) -> dict[str, Result]:
-    """Every registered job's Result by name, from one vLLM subprocess (started on first use; a failure is pytest's
-    cached error for every test that asks, not a second run)."""
-    return _run_all(tmp_path_factory)
+    """Every registered job's Result by name, from one vLLM subprocess: started at the session's start where the
+    session has users of it (`start_early`), else on first use; a failure is pytest's cached error for every test
+    that asks, not a second run."""
+    run = _EARLY.pop("run", None) or _Run(tmp_path_factory)
+    return run.results()
 
 
-def _run_all(tmp_path_factory) -> dict[str, Result]:
+_EARLY: dict[str, "_Run"] = {}
+
+
+def start_early(session) -> None:
+    """Conftest's pytest_collection_finish: where a selected test uses `tiny_vllm`, its vLLM subprocess starts now,
+    in the background, while the tests before its first user run. The subprocess is single-threaded tiny-model work
+    (about a minute at half of this 2-core box), so the session's engine tier overlaps it instead of waiting it out.
+    Not under xdist (each worker would start its own): there the fixture starts it on first use, as before."""
+    config = session.config
+    if hasattr(config, "workerinput") or config.option.collectonly or not any("tiny_vllm" in getattr(i, "fixturenames", ()) for i in session.items):
+        return
+    _EARLY["run"] = _Run(config._tmp_path_factory)
+
+
+def stop_early() -> None:
+    """Conftest's pytest_sessionfinish: a run nobody collected (an early exit, -x) is cancelled, its process group
+    killed (run_script's own cleanup), so nothing is left running."""
+    run = _EARLY.pop("run", None)
+    if run is not None:
+        run.cancel()
+
+
+class _Run:
+    """The MLX side (tiny checkpoints built, loaded, prompts and heads) in the calling thread; the vLLM subprocess
+    and the KV receiver in a thread of their own, on its own event loop (the receiver is numpy, no MLX)."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        import threading
+
+        self._out: tuple | None = None
+        self._error: BaseException | None = None
+        self._thread = None
+        try:
+            self.jobs, self.loaded, self.heads, self.root = _prepare(tmp_path_factory)
+        except Exception as e:  # noqa: BLE001 - the users' error (results), not the session's collection's
+            self._error = e
+            return
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="tiny-vllm", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._task = self._loop.create_task(run_jobs(self.jobs, self.root))
+        self._ready.set()
+        try:
+            self._out = self._loop.run_until_complete(self._task)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread (results)
+            self._error = e
+        finally:
+            self._loop.close()
+
+    def cancel(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+            self._thread.join(60)
+
+    def results(self) -> dict[str, Result]:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        kvs, out = self._out
+        return {job["name"]: Result(*self.loaded[job["name"]], kv, out[job["name"]]["preemptions"],
+                                    out[job["name"]]["cached"], self.heads[job["name"]])
+                for job, kv in zip(self.jobs, kvs)}
+
+
+def _prepare(tmp_path_factory) -> tuple[list[dict], dict, dict, Path]:
+    """The jobs as run_jobs takes them, (checkpoint, model, tokenizer, prompts) and the head's folder per job, and the
+    run's folder: the MLX side, built and loaded in the calling thread."""
     from tests.support import tiny_models
     from mlx_lm import load
     from transformers import AutoTokenizer
@@ -214,10 +289,7 @@ def _run_all(tmp_path_factory) -> dict[str, Result]:
         jobs.append({"name": job.name, "model": str(vllm_dir), "mlx": mlx_dir, "engine": engine,
                      "batch": job.batch, "prompts": prompts, "starts": list(job.starts),
                      "config": config and str(config), "env": job.env, "next_token": job.draft is not None})
-    kvs, out = asyncio.run(run_jobs(jobs, root))
-    return {job["name"]: Result(*loaded[job["name"]], kv, out[job["name"]]["preemptions"], out[job["name"]]["cached"],
-                                heads[job["name"]])
-            for job, kv in zip(jobs, kvs)}
+    return jobs, loaded, heads, root
 
 
 if __name__ == "__main__":
