@@ -43,13 +43,14 @@ SECOND_ID = "smollm2-feedback:135m"  # --lanes-per-model: the same weights under
 METAL_COSTS = {"qwen3-coder": 0.09, "gpt-oss": 0.18}  # fitted per drafted token at k <= 3 (bench.bench_step_cost)
 
 
-def _spec_toml(method: str, num_draft: int, head: str | None = None) -> str:
+def _spec_toml(method: str, num_draft: int, head: str | None = None, adaptive: bool = True) -> str:
     if method == "off":
         return ""
     names = method.split("+")
     value = f'"{method}"' if len(names) == 1 else "[" + ", ".join(f'"{n}"' for n in names) + "]"
     draft = f'draft_path = "{head}"\n' if {"eagle3", "dflash"} & set(names) else ""
-    return f'\n[models.speculative]\nmethod = {value}\nnum_draft = {num_draft}\nadaptive = true\n{draft}'
+    return (f'\n[models.speculative]\nmethod = {value}\nnum_draft = {num_draft}\n'
+            f'adaptive = {str(adaptive).lower()}\n{draft}')
 
 
 def _stack(folder: Path, max_len: int, prefill_port: int | None = None, extra: str = "",
@@ -184,6 +185,9 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=128, help="num_predict of every call")
     ap.add_argument("--concurrency", type=int, default=2, help="lanes sending at once (the app: 2)")
     ap.add_argument("--num-draft", type=int, default=3, help="most drafted tokens per step (3: MLX's fused attention)")
+    ap.add_argument("--fixed-k", action="store_true", help="adaptive = false: every step drafts --num-draft (each "
+                    "drafter's tokens per forward at full k, as a Mac's verify of k + 1 rows at one step's cost "
+                    "would use it); else the node's controller picks k from acceptance and measured cost")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head", default=str(MODEL_DIR.parent / "smollm2-135m-eagle3"), help="eagle3 methods: the "
                     "EAGLE-3 head's folder (make draft-head's by default)")
@@ -224,7 +228,7 @@ def main(argv=None) -> int:
                 if method == "off" and args.config:  # plain decoding is the running gateway's, switched off per request
                     passes[method] = off_pass(args.config, calls, args)
                     continue
-                spec = _spec_toml(method, args.num_draft, args.head)
+                spec = _spec_toml(method, args.num_draft, args.head, not args.fixed_k)
                 s = _stack(Path(d) / method, max_len, port, spec, second=lanes, secret=secret)
                 with s.running(["decode-0", "gateway"]):
                     rows, makespan = run_class(s.url("gateway"), calls, args.concurrency, args.answer_tokens, roles)
