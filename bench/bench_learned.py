@@ -34,7 +34,6 @@ PROSE = ["Explain in a few sentences why the sky is blue.",
          "Summarise the benefits of regular exercise in one paragraph."]
 
 
-
 def bridged_job(m: MLXModel, ids: list[int], head_kv: bool) -> dict:
     """The disaggregated path's Job fields: ids[:-1]'s KV as a prefill node's arrives (MLX's own here) and, with
     `head_kv`, the head's own KV of them as a prefill node running the head sends it (eagle3_source.head_prompt_kv,

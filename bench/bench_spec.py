@@ -62,7 +62,6 @@ def prompt_kv(m: MLXModel, ids: list[int]):
     return cache_kv(cache, len(ids) - 1)
 
 
-
 def run(m: MLXModel, ids, kv, sampling: dict, max_tokens: int) -> dict:
     """One generation through the MLX loop from the prompt's KV; tokens, decode time and the controller's deltas."""
     out, done = [], threading.Event()

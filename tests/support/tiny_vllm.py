@@ -195,7 +195,8 @@ def start_early(session) -> None:
     (about a minute at half of this 2-core box), so the session's engine tier overlaps it instead of waiting it out.
     Not under xdist (each worker would start its own): there the fixture starts it on first use, as before."""
     config = session.config
-    if hasattr(config, "workerinput") or config.option.collectonly or not any("tiny_vllm" in getattr(i, "fixturenames", ()) for i in session.items):
+    users = any("tiny_vllm" in getattr(item, "fixturenames", ()) for item in session.items)
+    if hasattr(config, "workerinput") or config.option.collectonly or not users:
         return
     _EARLY["run"] = _Run(config._tmp_path_factory)
 
@@ -210,48 +211,39 @@ def stop_early() -> None:
 
 class _Run:
     """The MLX side (tiny checkpoints built, loaded, prompts and heads) in the calling thread; the vLLM subprocess
-    and the KV receiver in a thread of their own, on its own event loop (the receiver is numpy, no MLX)."""
+    and the KV receiver (numpy, no MLX) on an event loop of their own in a thread of their own, its outcome a Future."""
 
     def __init__(self, tmp_path_factory) -> None:
-        import threading
+        from concurrent.futures import Future, ThreadPoolExecutor
 
-        self._out: tuple | None = None
-        self._error: BaseException | None = None
-        self._thread = None
+        self._task = None
         try:
             self.jobs, self.loaded, self.heads, self.root = _prepare(tmp_path_factory)
         except Exception as e:  # noqa: BLE001 - the users' error (results), not the session's collection's
-            self._error = e
+            self._future = Future()
+            self._future.set_exception(e)
             return
         self._loop = asyncio.new_event_loop()
-        self._task: asyncio.Task | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="tiny-vllm", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
         self._task = self._loop.create_task(run_jobs(self.jobs, self.root))
-        self._ready.set()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tiny-vllm")
+        self._future = pool.submit(self._complete)
+        pool.shutdown(wait=False)  # the thread runs the one submitted call to its end
+
+    def _complete(self) -> tuple:
         try:
-            self._out = self._loop.run_until_complete(self._task)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread (results)
-            self._error = e
+            return self._loop.run_until_complete(self._task)
         finally:
             self._loop.close()
 
     def cancel(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        from concurrent.futures import wait
+
+        if self._task is not None and not self._future.done():
             self._loop.call_soon_threadsafe(self._task.cancel)
-            self._thread.join(60)
+            wait([self._future], 60)
 
     def results(self) -> dict[str, Result]:
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        kvs, out = self._out
+        kvs, out = self._future.result()  # the run's own error, re-raised here
         return {job["name"]: Result(*self.loaded[job["name"]], kv, out[job["name"]]["preemptions"],
                                     out[job["name"]]["cached"], self.heads[job["name"]])
                 for job, kv in zip(self.jobs, kvs)}

