@@ -50,6 +50,7 @@ def main() -> int:
 
     from backends.decode.speculative.dflash import untrained_dflash
     from backends.decode.speculative.learned_load import target_from_config
+    from kv_bridge.fingerprint import model_geometry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--submissions", type=int, default=3)
@@ -65,10 +66,9 @@ def main() -> int:
     max_len = max(map(len, prompts)) + 64
     cfg = json.loads((MODEL / "config.json").read_text())  # the target's shape, without loading it in MLX
     tmp = Path(tempfile.mkdtemp(prefix="bench-head-prefill-"))
-    heads = cfg["num_attention_heads"]
+    geo = model_geometry(MODEL)  # its attention shape, head_dim and KV heads derived where the config omits them
     dflash = untrained_dflash(target_from_config(cfg), str(tmp / "dflash"), block_size=4,
-                              attention=(heads, cfg.get("num_key_value_heads", heads),
-                                         cfg.get("head_dim") or cfg["hidden_size"] // heads))
+                              attention=(geo["num_attention_heads"], geo["num_key_value_heads"], geo["head_dim"]))
     runs = {"no drafter": None}
     if (HEAD / "config.json").is_file():
         runs["EAGLE-3 head (make draft-head's)"] = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 1}
